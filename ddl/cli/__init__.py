@@ -1,0 +1,52 @@
+"""The ``ddl`` command line: ``ddl topo``, ``ddl plan``, ``ddl bench``, ``ddl emulate``.
+
+Each sub-command lives in its own module with a ``register(subparsers)`` function that adds its parser
+and sets ``func``. User errors (any :class:`ddl.Error`, a missing file) become one line on stderr and
+exit status 2; a traceback is shown only for bugs.
+"""
+import argparse
+import importlib
+import sys
+
+from .. import __version__
+from ..errors import Error
+
+COMMANDS = ("topo", "plan", "bench", "emulate")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="ddl", description="Topology-aware collective communication.")
+    parser.add_argument("--version", action="version", version=f"ddl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except Error as exc:
+        print(f"ddl: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        print(f"ddl: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ddl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

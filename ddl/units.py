@@ -1,0 +1,85 @@
+"""Parsing and formatting of bandwidths, latencies and sizes.
+
+Bandwidths are stored in bytes per second, latencies in seconds and sizes in bytes, as floats (ints for
+sizes). Units follow the usual convention: a capital ``B`` is a byte, a lower-case ``b`` or ``bit`` is a
+bit; ``k M G T`` are decimal, ``Ki Mi Gi Ti`` binary.
+"""
+import re
+
+_PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_LATENCY = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_BANDWIDTH_RE = re.compile(rf"^\s*{_NUMBER}\s*(Ki|Mi|Gi|Ti|k|K|M|G|T|)(B|b|bit|bits)(?:/s|ps)\s*$")
+_LATENCY_RE = re.compile(rf"^\s*{_NUMBER}\s*(ns|us|µs|μs|ms|s)\s*$")
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(Ki|Mi|Gi|Ti|k|K|M|G|T|)(B?)\s*$")
+
+BANDWIDTH_UNITS = "B/s kB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s bit/s kbit/s Mbit/s Gbit/s Tbit/s Gb/s Mb/s"
+LATENCY_UNITS = "ns us µs ms s"
+
+
+def parse_bandwidth(text):
+    """``'25 GB/s'`` -> 25e9 bytes/s; ``'100 Gbit/s'`` or ``'100 Gb/s'`` -> 12.5e9. Plain numbers are bytes/s."""
+    if isinstance(text, bool):
+        raise ValueError(f"bandwidth {text!r} is not a number with a unit ({BANDWIDTH_UNITS})")
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _BANDWIDTH_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot parse bandwidth {text!r}: write a number and one of {BANDWIDTH_UNITS}, e.g. '25 GB/s'")
+    value, prefix, unit = m.groups()
+    scale = _PREFIX[prefix] * (1.0 if unit == "B" else 0.125)
+    return float(value) * scale
+
+
+def parse_latency(text):
+    """``'1 us'`` -> 1e-6 seconds. Plain numbers are seconds."""
+    if isinstance(text, bool):
+        raise ValueError(f"latency {text!r} is not a number with a unit ({LATENCY_UNITS})")
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _LATENCY_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot parse latency {text!r}: write a number and one of {LATENCY_UNITS}, e.g. '2 us'")
+    return float(m.group(1)) * _LATENCY[m.group(2)]
+
+
+def parse_size(text):
+    """``'256MiB'`` -> 268435456, ``'64MB'`` -> 64000000, ``'1048576'`` -> 1048576 bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}: write bytes, e.g. 1048576, 64MB or 256MiB")
+    value = float(m.group(1)) * _PREFIX[m.group(2)]
+    if value != int(value) or value < 0:
+        raise ValueError(f"size {text!r} is not a whole, non-negative number of bytes")
+    return int(value)
+
+
+def format_bandwidth(bytes_per_second):
+    """25e9 -> '25 GB/s' (decimal units, as nccl-tests report)."""
+    return _format(bytes_per_second, "B/s")
+
+
+def format_size(nbytes):
+    """Binary units for sizes: 268435456 -> '256 MiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"
+
+
+def format_seconds(seconds):
+    """1.5e-5 -> '15 us'."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds / 1e-9:.4g} ns"
+
+
+def _format(value, unit):
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.4g} {prefix}{unit}"
+    return f"{value:.4g} {unit}"

@@ -1,0 +1,34 @@
+"""ddl: topology-aware collective communication for distributed deep learning."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "ddl" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="ddl",
+    version=VERSION,
+    description="Topology-aware collective communication (allreduce and friends) for distributed deep learning",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ddl", "ddl.*"]),
+    install_requires=[
+        "numpy>=1.24",
+        "scipy>=1.11",
+        "networkx>=3.0",
+        "pyyaml>=6.0",
+        "mpi4py>=3.1",
+        "mpich; platform_system == 'Linux'",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x"],
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        "bf16": ["ml_dtypes"],
+    },
+    entry_points={"console_scripts": ["ddl = ddl.cli:main"]},
+    classifiers=["Programming Language :: Python :: 3", "Topic :: System :: Distributed Computing"],
+)
