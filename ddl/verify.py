@@ -1,0 +1,178 @@
+"""Symbolic verification of schedules: correctness proved, not hoped.
+
+The verifier executes a schedule on symbols instead of numbers. Every rank starts with a symbol per
+chunk ("rank r's contribution to chunk c"); a reduction combines two symbols into an expression whose
+*set of contributors* must be disjoint (every contribution counted exactly once) and whose *identity*
+records the reduction order. At the end:
+
+* allreduce: every rank holds, in every chunk, an expression over all ranks, and the *same*
+  expression on every rank — so float results are bitwise identical everywhere;
+* reduce-scatter: rank r holds the full reduction in every chunk of block r;
+* allgather: every rank holds, in every chunk, the owner's original data;
+* broadcast: every rank holds the root's data.
+
+Execution follows the schedule's dataflow rules (see :mod:`ddl.schedule`) as a topological sort over
+the operations of all ranks, with an edge from every send to its matched receive. Operations left over
+when no more can run form a cycle of waits: the verifier names the first stuck operation of each rank.
+Values seen by a send are those the executor would send, whatever order ready operations run in,
+because conflicting operations on a chunk are always ordered by dependencies.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import ScheduleError
+from .schedule import REDUCE, SEND
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a successful verification established."""
+
+    collective: str
+    nranks: int
+    nchunks: int
+    nops: int
+    reductions: int
+
+
+def verify(schedule):
+    """Prove ``schedule`` correct or raise :class:`ddl.ScheduleError` naming the first broken chunk."""
+    values = _Values()
+    state = _initial_state(schedule, values)
+    reductions = _execute(schedule, state, values)
+    _check_final(schedule, state, values)
+    return Verdict(schedule.collective, schedule.nranks, schedule.nchunks, schedule.nops, reductions)
+
+
+def check(schedule):
+    """``(True, "")`` or ``(False, reason)``: the verifier's verdict without raising."""
+    try:
+        verify(schedule)
+        return True, ""
+    except ScheduleError as exc:
+        return False, str(exc)
+
+
+class _Values:
+    """Interned symbolic values: an id per distinct expression, with its contributor set (bitmask)."""
+
+    def __init__(self):
+        self.masks = []
+        self._ids = {}
+
+    def leaf(self, rank, chunk):
+        return self._intern(("leaf", rank, chunk), 1 << rank)
+
+    def combine(self, a, b):
+        # Reductions ddl offers are commutative, so (a op b) and (b op a) are bitwise equal: sort.
+        key = (a, b) if a <= b else (b, a)
+        return self._intern(key, self.masks[a] | self.masks[b])
+
+    def _intern(self, key, mask):
+        vid = self._ids.get(key)
+        if vid is None:
+            vid = self._ids[key] = len(self.masks)
+            self.masks.append(mask)
+        return vid
+
+
+def _initial_state(schedule, values):
+    n, k = schedule.nranks, schedule.chunks_per_block
+    state = [[None] * schedule.nchunks for _ in range(n)]
+    for r in range(n):
+        for c in range(schedule.nchunks):
+            if schedule.collective in ("allreduce", "reduce_scatter"):
+                state[r][c] = values.leaf(r, c)
+            elif schedule.collective == "allgather" and c // k == r:
+                state[r][c] = values.leaf(r, c)
+            elif schedule.collective == "broadcast" and r == schedule.root:
+                state[r][c] = values.leaf(r, c)
+    return state
+
+
+def _describe(schedule, rank, index):
+    kind, chunk, peer = schedule.programs[rank][index]
+    direction = "to" if kind == SEND else "from"
+    return f"rank {rank} op {index} ({kind} chunk {chunk} {direction} rank {peer})"
+
+
+def _execute(schedule, state, values):
+    programs, deps, matches = schedule.programs, schedule.dependencies, schedule.matches
+    waiting = [[len(d) + (0 if op.kind == SEND else 1) for op, d in zip(prog, dep)]
+               for prog, dep in zip(programs, deps)]
+    dependents = [[[] for _ in prog] for prog in programs]
+    for r, dep in enumerate(deps):
+        for i, d in enumerate(dep):
+            for j in d:
+                dependents[r][j].append(i)
+    inflight = {}
+    ready = deque((r, i) for r, w in enumerate(waiting) for i, n in enumerate(w) if n == 0)
+    done = 0
+    reductions = 0
+    while ready:
+        r, i = ready.popleft()
+        done += 1
+        kind, chunk, peer = programs[r][i]
+        if kind == SEND:
+            value = state[r][chunk]
+            if value is None:
+                raise ScheduleError(f"{_describe(schedule, r, i)}: chunk {chunk} holds no data on rank {r} yet")
+            pr, pi = matches[r][i]
+            inflight[(pr, pi)] = value
+            waiting[pr][pi] -= 1
+            if waiting[pr][pi] == 0:
+                ready.append((pr, pi))
+        else:
+            incoming = inflight.pop((r, i))
+            if kind == REDUCE:
+                local = state[r][chunk]
+                if local is None:
+                    raise ScheduleError(f"{_describe(schedule, r, i)}: reduces into chunk {chunk}, "
+                                        f"which holds no data on rank {r}")
+                overlap = values.masks[local] & values.masks[incoming]
+                if overlap:
+                    raise ScheduleError(f"{_describe(schedule, r, i)}: contribution of rank(s) "
+                                        f"{_ranks(overlap)} to chunk {chunk} would be counted twice")
+                state[r][chunk] = values.combine(local, incoming)
+                reductions += 1
+            else:
+                state[r][chunk] = incoming
+        for j in dependents[r][i]:
+            waiting[r][j] -= 1
+            if waiting[r][j] == 0:
+                ready.append((r, j))
+    if done < schedule.nops:
+        stuck = [_describe(schedule, r, next(i for i, x in enumerate(w) if x > 0))
+                 for r, w in enumerate(waiting) if any(w)]
+        raise ScheduleError(f"deadlock: {schedule.nops - done} operations wait in a cycle; first stuck: "
+                            + "; ".join(stuck[:4]))
+    return reductions
+
+
+def _ranks(mask):
+    return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+def _check_final(schedule, state, values):
+    n, k = schedule.nranks, schedule.chunks_per_block
+    full = (1 << n) - 1
+    coll = schedule.collective
+    for c in range(schedule.nchunks):
+        owner = c // k
+        holders = [owner] if coll == "reduce_scatter" else range(n)
+        for r in holders:
+            v = state[r][c]
+            if v is None:
+                raise ScheduleError(f"chunk {c} never reaches rank {r}")
+            mask = values.masks[v]
+            if coll in ("allreduce", "reduce_scatter") and mask != full:
+                missing = _ranks(full & ~mask)
+                raise ScheduleError(f"chunk {c} on rank {r} lacks the contribution of rank(s) {missing}")
+            source = {"allgather": owner, "broadcast": schedule.root}.get(coll)
+            if source is not None and v != values.leaf(source, c):
+                raise ScheduleError(f"chunk {c} on rank {r} does not hold rank {source}'s data")
+        if coll == "allreduce":
+            distinct = {state[r][c] for r in range(n)}
+            if len(distinct) > 1:
+                raise ScheduleError(f"chunk {c} is reduced in different orders on different ranks: results "
+                                    f"would not be bitwise identical")
