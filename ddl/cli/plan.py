@@ -1,0 +1,122 @@
+"""``ddl plan``: plan a collective on a topology file and explain the choice."""
+import json
+
+from ..errors import PlanError
+from ..schedule import COLLECTIVES
+from ..units import format_bandwidth, format_seconds, format_size, parse_size
+
+COMPARED = ("ring", "halving-doubling", "double-binary-tree")
+
+
+def register(sub):
+    p = sub.add_parser("plan", help="plan a collective on a topology and explain the choice",
+                       description="Plan a collective for a topology file: the algorithm chosen and why, "
+                                   "predicted time, algorithm and bus bandwidth, the lower bound and the gap.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="topology file (YAML or JSON); several with --compare")
+    p.add_argument("--bytes", default="256MiB", metavar="SIZE",
+                   help="message size, e.g. 256MiB, 64MB, 1048576 (default 256MiB)")
+    p.add_argument("--collective", default="allreduce", choices=COLLECTIVES)
+    p.add_argument("--algorithm", default="auto", metavar="NAME", help="auto (default) or an algorithm name")
+    p.add_argument("--root", type=int, default=0, help="root rank for broadcast")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
+    p.add_argument("--save", metavar="FILE.json", help="write the chosen schedule as JSON")
+    p.add_argument("--compare", action="store_true",
+                   help="one table: auto against ring, halving-doubling and double-binary-tree per file")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from ..planner import Planner
+    from ..topology import Topology
+
+    try:
+        nbytes = parse_size(args.bytes)
+    except ValueError as exc:
+        raise PlanError(f"--bytes: {exc}") from None
+    if len(args.files) > 1 and not args.compare:
+        raise PlanError("several files need --compare")
+    plans = []
+    for path in args.files:
+        topo = Topology.load(path)
+        if not 0 <= args.root < topo.nranks:
+            raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
+        plans.append((path, topo, Planner(topo).plan(args.collective, nbytes, args.algorithm, args.root)))
+    if args.save:
+        plans[0][2].schedule.save(args.save)
+    records = [_record(topo, plan) for _, topo, plan in plans]
+    if args.json:
+        print(json.dumps(records if args.compare else records[0], indent=2))
+    elif args.compare:
+        print(_compare_table(records))
+    else:
+        print(_explain(plans[0][1], plans[0][2]))
+        if args.save:
+            print(f"schedule written to {args.save}")
+    return 0
+
+
+def _record(topo, plan):
+    from ..bounds import busbw
+
+    p = topo.nranks
+    sched = plan.schedule
+    return {
+        "topology": topo.name,
+        "collective": plan.collective,
+        "algorithm": plan.algorithm,
+        "ranks": p,
+        "bytes": plan.nbytes,
+        "predicted_seconds": plan.predicted_seconds,
+        "bound_seconds": plan.bound_seconds,
+        "bandwidth_bound_seconds": plan.bandwidth_bound_seconds,
+        "latency_bound_seconds": plan.latency_bound_seconds,
+        "gap": plan.gap,
+        "algbw": plan.nbytes / plan.predicted_seconds if plan.predicted_seconds else None,
+        "busbw": busbw(plan.collective, plan.nbytes, plan.predicted_seconds, p) if plan.predicted_seconds else None,
+        "baselines": plan.baselines,
+        "verified": plan.verified,
+        "reason": plan.reason,
+        "chunks": sched.nchunks,
+        "operations": sched.nops,
+        "busiest_links": [{"link": f"{u}->{v}", "utilisation": util, "bytes": b} for (u, v), util, b in plan.busiest],
+    }
+
+
+def _explain(topo, plan):
+    r = _record(topo, plan)
+    lines = [
+        f"topology    {topo.name} ({topo.nranks} ranks, {len(topo.hosts)} hosts)",
+        f"collective  {plan.collective} of {format_size(plan.nbytes)}",
+        f"algorithm   {plan.algorithm}",
+        f"why         {plan.reason}",
+    ]
+    if plan.predicted_seconds:
+        lines.append(f"predicted   {format_seconds(plan.predicted_seconds)}   algbw {format_bandwidth(r['algbw'])}"
+                     f"   busbw {format_bandwidth(r['busbw'])}")
+    else:
+        lines.append("predicted   0 s (nothing to move)")
+    lines.append(f"bound       {format_seconds(plan.bound_seconds)} (bandwidth {format_seconds(plan.bandwidth_bound_seconds)},"
+                 f" latency {format_seconds(plan.latency_bound_seconds)})   gap {plan.gap:.3f}x")
+    lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks, {r['operations']} operations)")
+    for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
+        ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
+        lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio:.2f}x the chosen time)")
+    if plan.busiest:
+        lines.append("busiest links")
+        for (u, v), util, nbytes in plan.busiest:
+            lines.append(f"  {u} -> {v}: {util:6.1%} busy, {format_size(int(nbytes))}")
+    return "\n".join(lines)
+
+
+def _compare_table(records):
+    head = f"{'topology':<28}{'ranks':>6}  {'auto picks':<20}{'busbw':>12}{'gap':>7}" + "".join(
+        f"{'vs ' + n:>24}" for n in COMPARED)
+    rows = [head, "-" * len(head)]
+    for r in records:
+        cells = []
+        for name in COMPARED:
+            secs = r["baselines"].get(name) if name != r["algorithm"] else r["predicted_seconds"]
+            cells.append(f"{secs / r['predicted_seconds']:>23.2f}x" if secs and r["predicted_seconds"] else f"{'n/a':>24}")
+        busbw = format_bandwidth(r["busbw"]) if r["busbw"] else "-"
+        rows.append(f"{r['topology']:<28}{r['ranks']:>6}  {r['algorithm']:<20}{busbw:>12}{r['gap']:>6.3f}x" + "".join(cells))
+    return "\n".join(rows)

@@ -1,0 +1,197 @@
+"""Choosing a schedule: build every applicable algorithm, predict, pick the fastest, cache.
+
+The planner is pure (no MPI, no GPU) and deterministic. For a collective of ``nbytes`` on a topology
+it builds each registered algorithm's schedule, predicts its time with the simulator, and picks the
+fastest (ties go to the algorithm registered first, which lists the simpler ones first). The answer
+also reports the lower bound, so every choice comes with its distance from the optimum.
+
+Schedules depend on the message size only through the choice of algorithm and its pipelining depth, so
+plans are cached by *size class* (the power of two at or above ``nbytes``): in memory per
+:class:`Planner`, and on disk under ``$DDL_CACHE_DIR`` (default ``~/.cache/ddl``) keyed by the topology
+fingerprint, so a training step never plans twice and a restarted job starts with its plans.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import PlanError, ScheduleError
+from .schedule import COLLECTIVES, Schedule
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chosen schedule with its prediction, bound and the alternatives it beat."""
+
+    collective: str
+    nbytes: int
+    algorithm: str
+    schedule: Schedule
+    predicted_seconds: float
+    bound_seconds: float
+    bandwidth_bound_seconds: float
+    latency_bound_seconds: float
+    baselines: dict = field(default_factory=dict)
+    verified: bool = False
+    reason: str = ""
+    busiest: tuple = ()
+
+    @property
+    def gap(self):
+        """Predicted time over the lower bound (1.0 = optimal)."""
+        return self.predicted_seconds / self.bound_seconds if self.bound_seconds > 0 else 1.0
+
+
+def flat_topology(nranks, bandwidth="10 GB/s", latency="1 us"):
+    """``nranks`` CPU ranks on one switch: what ddl assumes when told nothing about the cluster."""
+    from .topology import Topology
+
+    nodes = [{"id": "switch", "kind": "switch"}] + [{"id": f"rank{i}", "kind": "cpu"} for i in range(nranks)]
+    links = [{"a": f"rank{i}", "b": "switch", "bandwidth": bandwidth, "latency": latency} for i in range(nranks)]
+    return Topology.from_dict({"name": f"flat-{nranks}", "nodes": nodes, "links": links,
+                               "ranks": [f"rank{i}" for i in range(nranks)]}, source="<flat>")
+
+
+def size_class(nbytes):
+    """The power of two at or above ``nbytes``: plans are shared within a class."""
+    return 1 << max(0, int(nbytes) - 1).bit_length()
+
+
+def algorithm_names():
+    from .algorithms import ALGORITHMS
+
+    return list(ALGORITHMS)
+
+
+class Planner:
+    """Plans collectives on one topology, with an in-memory and an on-disk cache."""
+
+    def __init__(self, topo, cache_dir=None, use_disk_cache=None):
+        self.topo = topo
+        if use_disk_cache is None:
+            use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "1") != "0"
+        base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
+        self.cache_dir = Path(base) / "plans" / topo.fingerprint[:16] if use_disk_cache else None
+        self._schedules = {}
+
+    # ---- schedules (the hot path for executors) ---------------------------------------------------
+    def schedule(self, collective, nbytes, algorithm=AUTO, root=0):
+        """The schedule to run for this call; cached, verified once."""
+        _check_collective(collective)
+        key = (collective, root, algorithm, size_class(nbytes))
+        sched = self._schedules.get(key)
+        if sched is None:
+            sched = self._load(key)
+            if sched is None:
+                if algorithm == AUTO:
+                    sched = self.plan(collective, nbytes, AUTO, root).schedule
+                else:
+                    sched = self._build(algorithm, collective, size_class(nbytes), root)
+                    _verified(sched)
+                self._store(key, sched)
+            self._schedules[key] = sched
+        return sched
+
+    # ---- full plans (with predictions, for users and the CLI) -----------------------------------
+    def plan(self, collective, nbytes, algorithm=AUTO, root=0):
+        """Build, predict and compare; see :class:`Plan`."""
+        from .bounds import lower_bound
+        from .simulate import simulate
+
+        _check_collective(collective)
+        candidates = {}
+        names = algorithm_names() if algorithm == AUTO else [algorithm]
+        if algorithm != AUTO and algorithm not in algorithm_names():
+            raise PlanError(f"unknown algorithm {algorithm!r}; choose one of: auto, {', '.join(algorithm_names())}")
+        skipped = {}
+        for name in (algorithm_names() if algorithm == AUTO else names + algorithm_names()):
+            if name in candidates or name in skipped:
+                continue
+            try:
+                sched = self._build(name, collective, nbytes, root)
+            except PlanError as exc:
+                skipped[name] = str(exc)
+                continue
+            candidates[name] = (sched, simulate(self.topo, sched, nbytes))
+        if algorithm != AUTO and algorithm not in candidates:
+            raise PlanError(f"algorithm {algorithm!r} cannot plan {collective} here: {skipped.get(algorithm)}")
+        if not candidates:
+            raise PlanError(f"no algorithm can plan {collective} on {self.topo.name}: {skipped}")
+        chosen = algorithm if algorithm != AUTO else min(candidates, key=lambda n: candidates[n][1].seconds)
+        sched, sim = candidates[chosen]
+        verified = _verified(sched)
+        bound = lower_bound(self.topo, collective, nbytes, root=root)
+        baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
+        reason = _explain(chosen, algorithm, sim.seconds, baselines, bound, nbytes)
+        self._schedules.setdefault((collective, root, algorithm, size_class(nbytes)), sched)
+        return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
+                    bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest))
+
+    def _build(self, name, collective, nbytes, root):
+        from .algorithms import ALGORITHMS
+
+        try:
+            fn = ALGORITHMS[name]
+        except KeyError:
+            raise PlanError(f"unknown algorithm {name!r}; choose one of: auto, {', '.join(ALGORITHMS)}") from None
+        if self.topo.nranks == 0:
+            raise PlanError("the topology has no ranks")
+        return fn(self.topo, collective, root=root, nbytes=nbytes)
+
+    # ---- disk cache ---------------------------------------------------------------------------
+    def _path(self, key):
+        collective, root, algorithm, cls = key
+        return self.cache_dir / f"{collective}-root{root}-{algorithm}-{cls}.json"
+
+    def _load(self, key):
+        if self.cache_dir is None:
+            return None
+        try:
+            sched = Schedule.load(self._path(key))
+            _verified(sched)
+            return sched
+        except (OSError, ScheduleError, json.JSONDecodeError):
+            return None
+
+    def _store(self, key, sched):
+        if self.cache_dir is None:
+            return
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
+            sched.save(tmp)
+            os.replace(tmp, self._path(key))
+        except OSError:
+            pass  # a read-only home must not stop training; the memory cache still works
+
+
+def _check_collective(collective):
+    if collective not in COLLECTIVES:
+        raise PlanError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+
+
+def _verified(sched):
+    """A planner bug (or a hand-edited cache file) must never reach an executor: prove it first."""
+    from .verify import verify
+
+    verify(sched)
+    return True
+
+
+def _explain(chosen, requested, seconds, baselines, bound, nbytes):
+    from .units import format_seconds, format_size
+
+    if requested != AUTO:
+        head = f"{chosen} was requested"
+    elif not baselines:
+        head = f"{chosen} is the only algorithm that applies"
+    else:
+        runner, runner_s = min(baselines.items(), key=lambda kv: kv[1])
+        head = (f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}, "
+                f"{runner_s / seconds:.2f}x faster than the next best ({runner}, {format_seconds(runner_s)})")
+    regime = ("latency-bound (the message is small: fewest rounds wins)"
+              if bound.latency_seconds >= bound.bandwidth_seconds else
+              "bandwidth-bound (the message is large: using every link's capacity wins)")
+    return f"{head}; this size is {regime}"

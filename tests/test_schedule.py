@@ -1,0 +1,236 @@
+"""Schedule IR: chunk geometry, dependencies, matching, JSON, and the symbolic verifier."""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddl.errors import ScheduleError
+from ddl.schedule import Op, Schedule, ScheduleBuilder
+from ddl.verify import check, verify
+
+
+def ring_allreduce(p, k=1):
+    """A plain ring (reduce-scatter then allgather), k pieces per ring block: the test's own reference."""
+    b = ScheduleBuilder("allreduce", p, (1,) * (p * k), algorithm="test-ring")
+    for phase, reduce in ((1, True), (0, False)):
+        for t in range(p - 1):
+            for i in range(p):
+                block = (i - t - phase) % p
+                for s in range(k):
+                    b.transfer(i, (i + 1) % p, block * k + s, reduce=reduce)
+    return b.build()
+
+
+def star_allreduce(p):
+    """Everyone reduces into rank 0, which sends the result back."""
+    b = ScheduleBuilder("allreduce", p, (1,))
+    for r in range(1, p):
+        b.transfer(r, 0, 0, reduce=True)
+    for r in range(1, p):
+        b.transfer(0, r, 0)
+    return b.build()
+
+
+def replace_programs(sched, programs):
+    return dataclasses.replace(sched, programs=tuple(tuple(p) for p in programs))
+
+
+# ---- chunk geometry ----------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(pattern=st.lists(st.integers(1, 50), min_size=1, max_size=9), nranks=st.integers(1, 9),
+       collective=st.sampled_from(["allreduce", "reduce_scatter", "allgather", "broadcast"]),
+       count=st.integers(0, 5000))
+def test_chunk_ranges_partition_the_buffer_exactly(pattern, nranks, collective, count):
+    sched = Schedule(collective, nranks, tuple(pattern), tuple(() for _ in range(nranks)))
+    if collective in ("reduce_scatter", "allgather"):
+        count -= count % nranks
+    r = sched.chunk_ranges(count)
+    assert r.shape == (sched.nchunks, 2)
+    assert r[0, 0] == 0 and r[-1, 1] == count
+    assert np.all(r[1:, 0] == r[:-1, 1]), "chunks must tile the buffer with no gap or overlap"
+    assert np.all(r[:, 1] >= r[:, 0])
+    if collective in ("reduce_scatter", "allgather"):
+        per_block = len(pattern)
+        for b in range(nranks):
+            assert r[b * per_block, 0] == b * (count // nranks), "block b must start where rank b's block does"
+    assert sched.chunk_fractions.sum() == pytest.approx(1.0)
+
+
+def test_chunk_ranges_follow_weights():
+    sched = Schedule("allreduce", 2, (1, 3), ((), ()))
+    assert sched.chunk_ranges(8).tolist() == [[0, 2], [2, 8]]
+    assert sched.chunk_ranges(1).tolist() == [[0, 0], [0, 1]]
+
+
+def test_reduce_scatter_count_must_divide():
+    sched = Schedule("reduce_scatter", 3, (1,), ((), (), ()))
+    with pytest.raises(ScheduleError, match="divisible by 3"):
+        sched.chunk_ranges(10)
+
+
+def test_invalid_schedules_are_refused():
+    with pytest.raises(ScheduleError, match="unknown collective"):
+        Schedule("alltoall", 1, (1,), ((),))
+    with pytest.raises(ScheduleError, match="programs for"):
+        Schedule("allreduce", 2, (1,), ((),))
+    with pytest.raises(ScheduleError, match="positive integers"):
+        Schedule("allreduce", 1, (0,), ((),))
+    with pytest.raises(ScheduleError, match="root"):
+        Schedule("broadcast", 2, (1,), ((), ()), root=2)
+
+
+# ---- dependencies and matching ------------------------------------------------------------------------
+def test_dependencies_follow_the_dataflow_rule():
+    prog = (Op("send", 0, 1), Op("send", 1, 1), Op("reduce", 0, 2), Op("send", 0, 3), Op("send", 0, 4),
+            Op("recv", 0, 2))
+    sched = Schedule("allreduce", 5, (1, 1), (prog, (), (), (), ()))
+    deps = sched.dependencies[0]
+    assert deps[0] == () and deps[1] == ()          # different chunks never wait on each other
+    assert deps[2] == (0,)                          # a write waits for the send of the old value
+    assert deps[3] == (2,) and deps[4] == (2,)      # sends wait for the last write, not for each other
+    assert set(deps[5]) == {2, 3, 4}                # an overwrite waits for every read and the last write
+
+
+def test_matching_is_fifo_per_pair_and_chunk():
+    sched = ring_allreduce(3)
+    for r, prog in enumerate(sched.programs):
+        for i, op in enumerate(prog):
+            pr, pi = sched.matches[r][i]
+            partner = sched.programs[pr][pi]
+            assert pr == op.peer and partner.peer == r and partner.chunk == op.chunk
+            assert (op.kind == "send") != (partner.kind == "send")
+
+
+def test_unmatched_and_out_of_range_ops_are_named():
+    sched = ring_allreduce(3)
+    progs = [list(p) for p in sched.programs]
+    progs[1].pop()  # drop rank 1's last receive
+    ok, msg = check(replace_programs(sched, progs))
+    assert not ok and "rank 1" in msg and "time(s)" in msg
+    with pytest.raises(ScheduleError, match="peer 7"):
+        verify(Schedule("allreduce", 2, (1,), ((Op("send", 0, 7),), ())))
+    with pytest.raises(ScheduleError, match="chunk 4 out of range"):
+        verify(Schedule("allreduce", 2, (1,), ((Op("send", 4, 1),), (Op("recv", 4, 0),))))
+    with pytest.raises(ScheduleError, match="unknown operation"):
+        verify(Schedule("allreduce", 2, (1,), ((Op("put", 0, 1),), ())))
+
+
+# ---- verifier ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", range(1, 10))
+def test_reference_schedules_verify(p):
+    verdict = verify(ring_allreduce(p, k=2))
+    assert verdict.reductions == p * (p - 1) * 2
+    verify(star_allreduce(p))
+
+
+def test_double_counting_is_caught():
+    b = ScheduleBuilder("allreduce", 2, (1,))
+    b.transfer(0, 1, 0, reduce=True)
+    b.transfer(1, 0, 0, reduce=True)  # rank 1 sends 0+1 back: rank 0's part counted twice
+    with pytest.raises(ScheduleError, match=r"rank\(s\) \[0\].*counted twice"):
+        verify(b.build())
+
+
+def test_missing_contribution_is_named():
+    b = ScheduleBuilder("allreduce", 3, (1,))
+    b.transfer(1, 0, 0, reduce=True)
+    b.transfer(0, 1, 0)
+    b.transfer(0, 2, 0)
+    with pytest.raises(ScheduleError, match=r"chunk 0 on rank 0 lacks the contribution of rank\(s\) \[2\]"):
+        verify(b.build())
+
+
+def test_deadlock_is_reported_with_the_stuck_operations():
+    # Each rank must first receive chunk 0 from the other before it may send its own (overwritten) value.
+    progs = ((Op("recv", 0, 1), Op("send", 0, 1)), (Op("recv", 0, 0), Op("send", 0, 0)))
+    with pytest.raises(ScheduleError, match=r"deadlock.*rank 0 op 0 \(recv chunk 0 from rank 1\)"):
+        verify(Schedule("allreduce", 2, (1,), progs))
+
+
+def test_different_reduction_orders_across_ranks_are_refused():
+    # All-to-all exchange: each rank reduces the others' values into its own in a different order,
+    # so floats would differ in the last bits between ranks.
+    b = ScheduleBuilder("allreduce", 3, (1,))
+    for src in range(3):
+        for dst in range(3):
+            if src != dst:
+                b.programs[src].append(Op("send", 0, dst))
+    for dst in range(3):
+        for src in range(3):
+            if src != dst:
+                b.programs[dst].append(Op("reduce", 0, src))
+    with pytest.raises(ScheduleError, match="different orders"):
+        verify(b.build())
+
+
+def test_reduce_into_empty_chunk_and_missing_block():
+    b = ScheduleBuilder("allgather", 2, (1,))
+    b.transfer(0, 1, 0, reduce=True)  # rank 1 holds nothing in block 0 yet
+    with pytest.raises(ScheduleError, match="holds no data"):
+        verify(b.build())
+    b = ScheduleBuilder("allgather", 2, (1,))
+    b.transfer(0, 1, 0)
+    with pytest.raises(ScheduleError, match="chunk 1 never reaches rank 0"):
+        verify(b.build())
+    b = ScheduleBuilder("broadcast", 3, (1,), root=1)
+    b.transfer(1, 0, 0)
+    b.transfer(0, 2, 0)
+    verify(b.build())
+    b = ScheduleBuilder("broadcast", 3, (1,), root=1)
+    b.transfer(2, 0, 0)
+    with pytest.raises(ScheduleError, match="holds no data"):
+        verify(b.build())
+
+
+def test_reduce_scatter_checks_only_the_owner():
+    b = ScheduleBuilder("reduce_scatter", 2, (1,))
+    b.transfer(1, 0, 0, reduce=True)
+    b.transfer(0, 1, 1, reduce=True)
+    verify(b.build())
+    b = ScheduleBuilder("reduce_scatter", 2, (1,))
+    b.transfer(1, 0, 1, reduce=True)  # reduces the wrong block onto rank 0
+    b.transfer(0, 1, 0, reduce=True)
+    with pytest.raises(ScheduleError, match="chunk 0 on rank 0 lacks"):
+        verify(b.build())
+
+
+# ---- serialisation ------------------------------------------------------------------------------------
+def test_json_round_trip_is_lossless(tmp_path):
+    b = ScheduleBuilder("broadcast", 3, (2, 1), root=2, algorithm="chain")
+    b.transfer(2, 1, 0)
+    b.transfer(2, 1, 1)
+    b.transfer(1, 0, 0)
+    b.transfer(1, 0, 1)
+    b.routes[(2, 1)] = ((("h2", "sw", "h1"), 0.5), (("h2", "sw2", "h1"), 0.5))
+    sched = b.build(order=[2, 1, 0])
+    again = Schedule.from_json(sched.to_json())
+    assert again == sched and again.routes == sched.routes and again.info == {"order": [2, 1, 0]}
+    sched.save(tmp_path / "s.json")
+    assert Schedule.load(tmp_path / "s.json").to_dict() == sched.to_dict()
+
+
+def test_bad_json_is_a_schedule_error():
+    with pytest.raises(ScheduleError, match="not valid JSON"):
+        Schedule.from_json("{")
+    with pytest.raises(ScheduleError, match="not a ddl schedule"):
+        Schedule.from_json('{"collective": "allreduce"}')
+    with pytest.raises(ScheduleError, match="malformed"):
+        Schedule.from_json('{"format": "ddl.schedule/1", "collective": "allreduce"}')
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(2, 6), k=st.integers(1, 3), data=st.data())
+def test_verifier_rejects_any_dropped_transfer(p, k, data):
+    """Removing one transfer (both halves) from a correct ring always breaks it, and the verifier says so."""
+    sched = ring_allreduce(p, k)
+    rank = data.draw(st.integers(0, p - 1))
+    sends = [i for i, op in enumerate(sched.programs[rank]) if op.kind == "send"]
+    i = data.draw(st.sampled_from(sends))
+    pr, pi = sched.matches[rank][i]
+    progs = [list(prog) for prog in sched.programs]
+    del progs[rank][i]
+    del progs[pr][pi]
+    ok, msg = check(replace_programs(sched, progs))
+    assert not ok and msg
