@@ -1,0 +1,545 @@
+"""Lower bounds on the time of a collective on a topology, and nccl-tests bandwidth figures.
+
+A plan is only as good as the distance to what no plan can beat. This module computes that distance
+from the topology alone:
+
+* **Bandwidth** (:func:`cut_bound`, :func:`bandwidth_bound`). For allgather and reduce-scatter we use
+  the cut bound of ForestColl (Zhao, Maleki, Yang, Pourreza & Krishnamurthy, "ForestColl:
+  Throughput-Optimal Collective Communications on Heterogeneous Network Fabrics", 2024): every vertex
+  set ``S`` that holds at least one rank but not all of them must ship the ``|S ∩ ranks| · N/p`` bytes
+  its ranks contribute across the edges leaving it, so
+
+      time >= (N/p) · max_S |S ∩ ranks| / B+(S),        B+(S) = capacity of the edges leaving S.
+
+  ForestColl shows the bound is attained by packing spanning out-trees, so it is *the* optimum of
+  allgather, not merely a bound. We never enumerate subsets: with a super source ``s`` feeding every
+  rank at rate ``x``, the bound holds at ``x`` iff every rank ``v`` can draw ``x·p`` from ``s``
+  (max-flow/min-cut), and the optimum ``x*`` is found exactly by a Dinkelbach (Newton) iteration on the
+  violated min cuts. Broadcast and reduce use Edmonds' branching theorem: a root can stream to every
+  rank at the smallest root-to-rank min cut.
+* **Latency** (:func:`latency_bound`): ``ceil(log2 p)`` rounds of the smallest rank-to-rank latency.
+* **Bus bandwidth** (:func:`busbw`): the nccl-tests convention, so our numbers read like theirs.
+
+All work is done on ``topo.usable_graph()`` (ranks plus transit vertices; a GPU outside the job cannot
+forward data). The core functions take ``(graph, rank_vertices)`` so that they can be used and tested
+without a :class:`~ddl.topology.Topology`; the public functions are thin, cached wrappers.
+
+Max flows are computed with :func:`scipy.sparse.csgraph.maximum_flow`, which needs int32 capacities.
+Capacities are scaled to integers exactly when they share a common unit that fits (every realistic
+topology: 25 GB/s, 100 Gbit/s, ...), and rounded otherwise. Whatever happens inside, every figure we
+report is computed in floating point from a *real* cut of the graph, so it is always a valid bound;
+in the exact case it is also the optimum.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, OrderedDict
+from fractions import Fraction
+from typing import NamedTuple
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
+from .errors import PlanError
+
+__all__ = [
+    "COLLECTIVES", "CutBound", "Bound",
+    "cut_bound", "bandwidth_bound", "latency_bound", "lower_bound", "min_rank_latency",
+    "cut_bound_graph", "broadcast_bandwidth_graph", "reduce_bandwidth_graph", "min_rank_latency_graph",
+    "bandwidth_bound_graph", "latency_bound_graph", "lower_bound_graph",
+    "algbw", "busbw", "busbw_factor",
+]
+
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce")
+
+# Largest capacity we hand to scipy's int32 max flow. The residual capacity of an edge can reach the
+# sum of both directions' capacities, so stay below 2**30 to leave room for that.
+_LIMIT = 2**30 - 1
+
+
+class CutBound(NamedTuple):
+    """ForestColl's cut bound for allgather / reduce-scatter.
+
+    ``seconds_per_byte`` is per byte of the *total* buffer ``N`` (allgather output, reduce-scatter
+    input): time >= ``N * seconds_per_byte``. ``cut`` is the limiting vertex set ``S`` (frozenset of
+    vertex ids), ``ranks_in_cut`` = ``|S ∩ ranks|`` (counting ranks that share a vertex), and
+    ``bandwidth_out`` = ``B+(S)`` in bytes/s. With p == 1 there is no cut: 0 s/byte, empty cut.
+    """
+    seconds_per_byte: float
+    cut: frozenset
+    ranks_in_cut: int
+    bandwidth_out: float
+
+    @property
+    def rate(self):
+        """ForestColl's ``x*``: bytes/s at which every rank's own block can be spread to all others."""
+        return self.bandwidth_out / self.ranks_in_cut if self.ranks_in_cut else math.inf
+
+    @property
+    def algbw(self):
+        """Best allgather / reduce-scatter algorithm bandwidth ``N / time`` (bytes/s)."""
+        return 1.0 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf
+
+
+class Bound(NamedTuple):
+    """A lower bound on a collective's time: ``seconds = max(bandwidth_seconds, latency_seconds)``."""
+    seconds: float
+    bandwidth_seconds: float
+    latency_seconds: float
+
+
+# ----------------------------------------------------------------------------------------------------
+# integer flow networks
+
+
+def _integer_capacities(caps, headroom):
+    """Integer capacities ``q`` (int64 array) with ``q * unit ~= caps`` and ``max(q) * headroom <= 2**30``.
+
+    ``headroom`` is how much the caller will multiply the largest value by. Exact when the capacities
+    are integer multiples of a common unit that leaves that room (their exact rational gcd); otherwise
+    rounded to about 2**-29 of the largest, relative. Returns ``(q, exact)``.
+    """
+    caps = [float(c) for c in caps]
+    if not caps:
+        return np.zeros(0, dtype=np.int64), True
+    fracs = [Fraction(c) for c in caps]
+    den = 1
+    for f in fracs:
+        den = den * f.denominator // math.gcd(den, f.denominator)
+        if den > 2**64:
+            break
+    else:
+        nums = [f.numerator * (den // f.denominator) for f in fracs]
+        g = 0
+        for n in nums:
+            g = math.gcd(g, n)
+        if g == 0:
+            return np.zeros(len(caps), dtype=np.int64), True
+        q = [n // g for n in nums]
+        if max(q) * headroom <= _LIMIT:
+            return np.array(q, dtype=np.int64), True
+    top = max(caps)
+    if top <= 0:
+        return np.zeros(len(caps), dtype=np.int64), True
+    unit = top * headroom / (_LIMIT // 2)
+    return np.array([round(c / unit) for c in caps], dtype=np.int64), False
+
+
+class _Network:
+    """A DiGraph as index arrays: edge tails, heads, float capacities, in CSR order, plus a super source.
+
+    Vertex ``n`` (one past the graph's vertices) is the super source; its edges go to ``sources``.
+    """
+
+    def __init__(self, graph, sources=()):
+        self.vertices = list(graph.nodes)
+        self.index = {v: i for i, v in enumerate(self.vertices)}
+        n = self.n = len(self.vertices)
+        tails, heads, caps = [], [], []
+        for u, v, d in graph.edges(data=True):
+            c = float(d.get("capacity", 0.0))
+            if u != v and c > 0:
+                tails.append(self.index[u])
+                heads.append(self.index[v])
+                caps.append(c)
+        self.m = len(caps)
+        self.sources = [self.index[v] for v in sources]
+        tails = np.array(tails + [n] * len(self.sources), dtype=np.int64)
+        heads = np.array(heads + self.sources, dtype=np.int64)
+        order = np.lexsort((heads, tails))
+        # position of edge e (graph edges first, then source edges) in the CSR data array
+        self.pos = np.empty(len(order), dtype=np.int64)
+        self.pos[order] = np.arange(len(order))
+        self.tail, self.head = tails, heads
+        self.cap = np.array(caps, dtype=float)
+        self.indices = heads[order].astype(np.int32)
+        self.indptr = np.concatenate(([0], np.cumsum(np.bincount(tails, minlength=n + 1)))).astype(np.int32)
+        self.out_cap = np.bincount(self.tail[:self.m], weights=self.cap, minlength=n)
+        self.in_cap = np.bincount(self.head[:self.m], weights=self.cap, minlength=n)
+
+    def matrix(self, edge_values, source_values=()):
+        """CSR matrix (int32) with the given integer capacities for graph edges and source edges."""
+        data = np.empty(len(self.pos), dtype=np.int64)
+        data[self.pos[:self.m]] = edge_values
+        data[self.pos[self.m:]] = source_values
+        if data.size and (data.max() > _LIMIT or data.min() < 0):  # pragma: no cover - guarded by scaling
+            raise OverflowError("flow capacities exceed int32 range")
+        return sp.csr_array((data.astype(np.int32), self.indices, self.indptr), shape=(self.n + 1, self.n + 1))
+
+    def source_side(self, matrix, result, source):
+        """Boolean mask of the vertices reachable from ``source`` in the residual graph of ``result``."""
+        residual = (matrix - result.flow).tocsr()
+        residual.data = (residual.data > 0).astype(np.int8)
+        residual.eliminate_zeros()
+        reach = breadth_first_order(residual, source, directed=True, return_predecessors=False)
+        mask = np.zeros(self.n + 1, dtype=bool)
+        mask[reach] = True
+        return mask[:self.n]
+
+    def cut_capacity(self, mask):
+        """Float capacity of the graph edges leaving the vertex set ``mask`` (exact sum)."""
+        leaving = mask[self.tail[:self.m]] & ~mask[self.head[:self.m]]
+        return math.fsum(self.cap[leaving])
+
+
+def _twin_representatives(graph, vertices, weight=None, exclude=()):
+    """One vertex of each class of interchangeable rank vertices, in first-seen order.
+
+    Two vertices with no edge between them, the same weight and the same in- and out-edges (neighbour
+    and capacity) are swapped by an automorphism of the graph that fixes every other vertex, so a max
+    flow from a fixed source to either has the same value: only one of them needs a flow. This turns
+    the per-rank flows of a hierarchical cluster into per-host ones.
+    """
+    seen = {}
+    for v in vertices:
+        if v in exclude:
+            continue
+        key = (weight[v] if weight else 1,
+               frozenset((w, d.get("capacity")) for w, d in graph.succ[v].items() if w != v),
+               frozenset((w, d.get("capacity")) for w, d in graph.pred[v].items() if w != v))
+        seen.setdefault(key, v)
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# cut bound (allgather, reduce-scatter)
+
+
+def cut_bound_graph(graph, ranks):
+    """ForestColl's allgather cut bound on ``graph`` (DiGraph, edge attr ``capacity`` in bytes/s).
+
+    ``ranks`` lists the vertex of each rank (a vertex may hold several ranks; they count with
+    multiplicity and exchange data for free). Returns a :class:`CutBound`.
+
+    Method (no subset enumeration). Let ``x`` be the rate at which each rank's block leaves it. Add a
+    super source ``s`` with an edge ``s -> c`` of capacity ``x`` per rank on ``c``. For a rank vertex
+    ``v`` and a cut ``{s} ∪ S`` with ``v ∉ S`` the cut capacity is ``x (p - |S∩R|) + B+(S)``, so
+    ``maxflow(s, v) >= x p`` for every ``v`` iff ``B+(S) >= x |S∩R|`` for every ``S`` that misses a
+    rank: exactly ForestColl's condition. ``x* = min_S B+(S)/|S∩R|`` is then found by Dinkelbach's
+    method: start at the ratio of the best single-rank cut (an upper bound), and while some ``v`` has
+    ``maxflow(s, v) < x p`` replace ``x`` by the ratio of that min cut's source side (strictly smaller).
+    Feasibility at ``x`` implies feasibility at every smaller ``x`` (the condition is monotone), so each
+    sink is checked once and stays checked: about ``#classes + #improvements`` max flows in total,
+    where interchangeable ranks (twins, e.g. the GPUs of one host) share one class. ``x = B/k`` is kept
+    as an exact fraction by scaling graph capacities by ``k`` and source edges to ``B``.
+    """
+    mult = Counter(ranks)
+    p = len(ranks)
+    if len(mult) < 2:
+        return CutBound(0.0, frozenset(), 0, math.inf)
+    rank_vertices = list(mult)
+    net = _Network(graph, rank_vertices)
+    n = net.n
+    weight = np.zeros(n, dtype=np.int64)
+    for v, k in mult.items():
+        weight[net.index[v]] = k
+    src_w = np.array([mult[v] for v in rank_vertices], dtype=np.int64)
+
+    # best single-rank cut: S = {v}; its ratio bounds x* from above and starts the iteration
+    def single(v):
+        return net.out_cap[net.index[v]] / mult[v]
+    v0 = min(rank_vertices, key=single)
+    best = (net.out_cap[net.index[v0]] / mult[v0], frozenset([v0]), mult[v0], float(net.out_cap[net.index[v0]]))
+    if best[0] == 0.0:
+        return CutBound(math.inf, best[1], best[2], 0.0)
+
+    # integer capacities: graph edges get multiplied by k <= p; source edges carry B * mult(c) with
+    # B/k <= x0, i.e. at most x0 * p * max(mult)
+    maxmult = max(mult.values())
+    x0 = best[0]
+    headroom = max(p, math.ceil(p * maxmult * x0 / net.cap.max()) + p) if net.m else p
+    q, _exact = _integer_capacities(net.cap, headroom)
+    out_q = np.bincount(net.tail[:net.m], weights=q, minlength=n).astype(np.int64) if net.m else np.zeros(n, np.int64)
+    x = min(Fraction(int(out_q[net.index[v]]), mult[v]) for v in rank_vertices)
+
+    # sinks: one per twin class, the least-fed first (they tend to lie outside the worst cut)
+    reps = _twin_representatives(graph, rank_vertices, mult)
+    reps.sort(key=lambda v: net.in_cap[net.index[v]] / mult[v])
+    s = n
+    for v in reps:
+        t = net.index[v]
+        while x > 0:
+            B, k = x.numerator, x.denominator
+            mat = net.matrix(q * k, src_w * B)
+            res = maximum_flow(mat, s, t)
+            if int(res.flow_value) >= B * p:
+                break
+            mask = net.source_side(mat, res, s)
+            ks = int(weight[mask].sum())
+            new_x = Fraction(int(q[mask[net.tail[:net.m]] & ~mask[net.head[:net.m]]].sum()), ks)
+            bout = net.cut_capacity(mask)
+            if bout / ks < best[0]:
+                best = (bout / ks, frozenset(net.vertices[i] for i in np.flatnonzero(mask)), ks, bout)
+            if new_x >= x:  # only possible with rounded capacities; cannot improve further
+                break
+            x = new_x
+        if best[0] == 0.0:
+            break
+    rate, cut, ks, bout = best
+    spb = math.inf if rate == 0 else ks / (p * bout)
+    return CutBound(spb, cut, ks, bout)
+
+
+# ----------------------------------------------------------------------------------------------------
+# broadcast / reduce (Edmonds: rooted min cut)
+
+
+def broadcast_bandwidth_graph(graph, ranks, root=0):
+    """Largest rate (bytes/s) at which rank ``root`` can stream to every other rank: by Edmonds'
+    branching theorem it is ``min_v maxflow(root, v)`` over the other ranks' vertices, and packing
+    out-trees attains it, so a broadcast of ``N`` bytes takes at least ``N`` over this rate.
+
+    Returns ``(rate, cut)``: the rate (``inf`` when no other rank has its own vertex) and the source
+    side of the limiting cut. The rate is the float capacity of that real cut.
+    """
+    rv = ranks[root]
+    targets = [v for v in dict.fromkeys(ranks) if v != rv]
+    if not targets:
+        return math.inf, frozenset()
+    net = _Network(graph)
+    q, _exact = _integer_capacities(net.cap, 1)
+    mat = net.matrix(q)
+    s = net.index[rv]
+    best_val, best_t = None, None
+    for v in _twin_representatives(graph, targets, exclude={rv}):
+        t = net.index[v]
+        val = int(maximum_flow(mat, s, t).flow_value)
+        if best_val is None or val < best_val:
+            best_val, best_t = val, t
+    res = maximum_flow(mat, s, best_t)
+    mask = net.source_side(mat, res, s)
+    return net.cut_capacity(mask), frozenset(net.vertices[i] for i in np.flatnonzero(mask))
+
+
+def reduce_bandwidth_graph(graph, ranks, root=0):
+    """Like :func:`broadcast_bandwidth_graph` for a reduce to ``root``: ``min_v maxflow(v, root)``,
+    i.e. a broadcast on the reversed graph (the returned cut is then the sink side)."""
+    return broadcast_bandwidth_graph(graph.reverse(copy=False), ranks, root)
+
+
+# ----------------------------------------------------------------------------------------------------
+# latency
+
+
+def min_rank_latency_graph(graph, ranks):
+    """Smallest latency (s) of a path from one rank to a *different* rank on ``graph`` (edge attr
+    ``latency``), whose interior vertices are not ranks (ranks never forward).
+
+    One Dijkstra for all sources: every non-rank vertex keeps its two nearest sources with distinct
+    labels, so that a path ``u -> ... -> t -> v`` can always use a source other than ``v``. 0 when two
+    ranks share a vertex; ``inf`` when no rank can reach another.
+    """
+    rset = set(ranks)
+    if len(rset) < len(ranks):
+        return 0.0
+    best = math.inf
+    heap = []
+    for r in rset:
+        for w, d in graph.succ[r].items():
+            lat = float(d.get("latency", 0.0))
+            if w in rset:
+                if w != r:
+                    best = min(best, lat)
+            else:
+                heap.append((lat, id(r), w, r))
+    heapq.heapify(heap)
+    settled = {}
+    while heap:
+        dist, _, t, label = heapq.heappop(heap)
+        if dist >= best:
+            break
+        labels = settled.setdefault(t, [])
+        if len(labels) >= 2 or label in labels:
+            continue
+        labels.append(label)
+        for w, d in graph.succ[t].items():
+            nd = dist + float(d.get("latency", 0.0))
+            if w in rset:
+                if w != label:
+                    best = min(best, nd)
+            elif len(settled.get(w, ())) < 2:
+                heapq.heappush(heap, (nd, id(label), w, label))
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------
+# Topology wrappers
+
+_CACHE = OrderedDict()
+_CACHE_SIZE = 256
+
+
+def _cached(key, compute):
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    value = compute()
+    _CACHE[key] = value
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return value
+
+
+def _check(collective):
+    if collective not in COLLECTIVES:
+        raise PlanError(f"no bound for collective {collective!r}: choose one of {', '.join(COLLECTIVES)}")
+
+
+def _is_symmetric(graph):
+    """True when every edge has a reverse edge of the same capacity (every full-duplex fabric)."""
+    succ = graph.succ
+    return all(u == v or (u in succ[v] and succ[v][u].get("capacity") == d.get("capacity"))
+               for u, v, d in graph.edges(data=True))
+
+
+def _cut_for(graph, ranks, reverse):
+    if reverse and not _is_symmetric(graph):
+        return cut_bound_graph(graph.reverse(copy=False), ranks)
+    return cut_bound_graph(graph, ranks)
+
+
+def cut_bound(topo, reverse=False):
+    """:class:`CutBound` of ``topo`` (ForestColl's allgather optimum), cached per topology fingerprint.
+
+    ``reverse=True`` gives reduce-scatter's bound: the same computation on the reversed graph, so that
+    ``cut`` is a set whose *incoming* capacity ``bandwidth_out`` limits it (each rank in it needs its
+    block reduced over the ranks outside). On full-duplex fabrics both are the same.
+    """
+    def compute():
+        graph = topo.usable_graph()
+        if reverse and _is_symmetric(graph):
+            return cut_bound(topo, False)
+        return _cut_for(graph, list(topo.ranks), reverse)
+    return _cached((topo.fingerprint, "cut", bool(reverse)), compute)
+
+
+def min_rank_latency(topo):
+    """Smallest rank-to-rank path latency of ``topo`` (s), cached per fingerprint."""
+    return _cached((topo.fingerprint, "latency"),
+                   lambda: min_rank_latency_graph(topo.usable_graph(), list(topo.ranks)))
+
+
+def _bandwidth_seconds(collective, nbytes, p, cut, root_rate):
+    """Shared by the graph and Topology forms; ``cut(reverse)`` and ``root_rate()`` compute lazily."""
+    _check(collective)
+    if p <= 1 or nbytes == 0:
+        return 0.0
+    if collective in ("broadcast", "reduce"):
+        rate = root_rate()
+        return 0.0 if math.isinf(rate) else (math.inf if rate == 0 else nbytes / rate)
+    spb = 0.0
+    if collective in ("allgather", "allreduce"):
+        spb += cut(False).seconds_per_byte
+    if collective in ("reduce_scatter", "allreduce"):
+        spb += cut(True).seconds_per_byte
+    return nbytes * spb
+
+
+def _latency_seconds(collective, p, min_latency):
+    _check(collective)
+    return 0.0 if p <= 1 else math.ceil(math.log2(p)) * min_latency()
+
+
+def _check_root(root, p):
+    if not 0 <= root < p:
+        raise PlanError(f"root {root} is not a rank (there are {p})")
+
+
+def bandwidth_bound_graph(graph, ranks, collective, nbytes, root=0):
+    """:func:`bandwidth_bound` on a bare ``(graph, ranks)``, uncached."""
+    _check_root(root, len(ranks))
+    fn = broadcast_bandwidth_graph if collective == "broadcast" else reduce_bandwidth_graph
+    memo = {}
+
+    def cut(reverse):
+        if reverse and _is_symmetric(graph):
+            reverse = False
+        if reverse not in memo:
+            memo[reverse] = _cut_for(graph, ranks, reverse)
+        return memo[reverse]
+    return _bandwidth_seconds(collective, nbytes, len(ranks), cut, lambda: fn(graph, ranks, root)[0])
+
+
+def latency_bound_graph(graph, ranks, collective):
+    """:func:`latency_bound` on a bare ``(graph, ranks)``."""
+    return _latency_seconds(collective, len(ranks), lambda: min_rank_latency_graph(graph, ranks))
+
+
+def lower_bound_graph(graph, ranks, collective, nbytes, root=0):
+    """:func:`lower_bound` on a bare ``(graph, ranks)``."""
+    bw = bandwidth_bound_graph(graph, ranks, collective, nbytes, root=root)
+    lat = latency_bound_graph(graph, ranks, collective)
+    return Bound(max(bw, lat), bw, lat)
+
+
+def bandwidth_bound(topo, collective, nbytes, root=0):
+    """Seconds that a ``collective`` of ``nbytes`` takes at least on ``topo``, from capacities alone.
+
+    ``nbytes`` is the total buffer ``N``: allgather output / reduce-scatter input (each rank owns N/p),
+    the allreduce buffer, the broadcast/reduce buffer. allgather:
+    ``N * cut_bound(topo).seconds_per_byte``; reduce_scatter: the same on the reversed graph (it is allgather with every transfer reversed and a reduction at
+    each receive; ForestColl uses this duality), identical on full-duplex fabrics. allreduce: their
+    sum, i.e. twice allgather's on full-duplex fabrics: the reduce-scatter + allgather decomposition
+    that ForestColl and our planners use; with uniform ranks it is the classic ``2(p-1)/p · N/B``
+    (Patarasuk & Yuan, 2009), which holds for any algorithm. broadcast / reduce: ``N`` over the rooted min cut
+    (Edmonds), ``root`` being a rank index.
+    """
+    _check_root(root, topo.nranks)
+
+    def root_rate():
+        fn = broadcast_bandwidth_graph if collective == "broadcast" else reduce_bandwidth_graph
+        return _cached((topo.fingerprint, collective, root),
+                       lambda: fn(topo.usable_graph(), list(topo.ranks), root))[0]
+    return _bandwidth_seconds(collective, nbytes, topo.nranks, lambda rev: cut_bound(topo, rev), root_rate)
+
+
+def latency_bound(topo, collective):
+    """Seconds of latency any algorithm pays: ``ceil(log2 p)`` times the smallest rank-to-rank latency.
+
+    Why it is valid, in the round (single-port) model our schedules and cost model use, where a rank
+    takes part in one transfer per round and a round lasts at least one rank-to-rank latency: in
+    allgather every rank needs data from every other; in a round a rank learns at most what one peer
+    knew, so the set of contributions a rank holds at most doubles per round and p of them need
+    ``ceil(log2 p)`` rounds. Reduce-scatter is its dual (each result block combines p contributions,
+    at most two partial results per round). Allreduce contains that combination too; broadcast and
+    reduce double (halve) the set of ranks holding the data per round. 0 for a single rank.
+    (With unlimited concurrent sends per rank, a root could reach everyone in one latency: the bound
+    is for the round model, as in the cost models of Thakur, Rabenseifner & Gropp, 2005.)
+    """
+    return _latency_seconds(collective, topo.nranks, lambda: min_rank_latency(topo))
+
+
+def lower_bound(topo, collective, nbytes, root=0):
+    """:class:`Bound` for ``collective`` of ``nbytes`` on ``topo``: the larger of the bandwidth and the
+    latency bounds (each is a bound on its own; their sum is not)."""
+    bw = bandwidth_bound(topo, collective, nbytes, root=root)
+    lat = latency_bound(topo, collective)
+    return Bound(max(bw, lat), bw, lat)
+
+
+# ----------------------------------------------------------------------------------------------------
+# nccl-tests bandwidths
+
+
+def algbw(nbytes, seconds):
+    """Algorithm bandwidth ``nbytes / seconds`` (bytes/s) as nccl-tests report it; inf for 0 s."""
+    return math.inf if seconds == 0 else nbytes / seconds
+
+
+def busbw_factor(collective, p):
+    """nccl-tests' bus bandwidth factor: allreduce ``2(p-1)/p``; allgather, reduce_scatter and alltoall
+    ``(p-1)/p``; broadcast and reduce 1. It makes a perfect ring's busbw equal its link bandwidth."""
+    if collective == "allreduce":
+        return 2 * (p - 1) / p
+    if collective in ("allgather", "reduce_scatter", "alltoall"):
+        return (p - 1) / p
+    if collective in ("broadcast", "reduce"):
+        return 1.0
+    raise PlanError(f"no bus bandwidth factor for collective {collective!r}")
+
+
+def busbw(collective, nbytes, seconds, p):
+    """Bus bandwidth (bytes/s): :func:`algbw` times :func:`busbw_factor`."""
+    return algbw(nbytes, seconds) * busbw_factor(collective, p)

@@ -1,0 +1,469 @@
+"""Tests of ddl.bounds against the known answers of DESIGN.md and against brute force.
+
+Graphs are built directly with networkx so that these tests do not depend on ddl.topology; the
+Topology wrappers are exercised through a small stand-in object with the same interface and, when
+ddl.topology exists, through real Topology objects.
+"""
+import hashlib
+import itertools
+import math
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddl import bounds
+from ddl.bounds import (Bound, CutBound, algbw, bandwidth_bound, bandwidth_bound_graph, broadcast_bandwidth_graph,
+                        busbw, busbw_factor, cut_bound, cut_bound_graph, latency_bound, latency_bound_graph,
+                        lower_bound, lower_bound_graph, min_rank_latency_graph, reduce_bandwidth_graph)
+from ddl.errors import PlanError
+
+GB = 1e9
+N = 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------------
+# graph builders
+
+
+def link(g, a, b, capacity, latency=1e-6):
+    g.add_edge(a, b, capacity=capacity, latency=latency)
+    g.add_edge(b, a, capacity=capacity, latency=latency)
+
+
+def star(p, bandwidth, latency=1e-6):
+    g = nx.DiGraph()
+    for i in range(p):
+        link(g, f"gpu{i}", "sw", bandwidth, latency)
+    return g, [f"gpu{i}" for i in range(p)]
+
+
+DGX1_DOUBLE = [(0, 1), (0, 4), (1, 3), (2, 3), (2, 6), (4, 5), (5, 7), (6, 7)]
+DGX1_SINGLE = [(0, 2), (0, 3), (1, 2), (1, 5), (3, 7), (4, 6), (4, 7), (5, 6)]
+
+
+def dgx1(members=range(8)):
+    """NVLink graph of a DGX-1 V100 restricted to ``members``: GPUs outside the job cannot forward."""
+    members = list(members)
+    g = nx.DiGraph()
+    g.add_nodes_from(members)
+    for pairs, bw in ((DGX1_DOUBLE, 50 * GB), (DGX1_SINGLE, 25 * GB)):
+        for a, b in pairs:
+            if a in members and b in members:
+                link(g, a, b, bw)
+    return g, members
+
+
+def fat_tree(r, leaves=4, per_leaf=4, rank_bw=4 * GB):
+    g, ranks = nx.DiGraph(), []
+    for leaf in range(leaves):
+        link(g, f"leaf{leaf}", "spine", 16 * GB / r)
+        for i in range(per_leaf):
+            v = f"leaf{leaf}/r{i}"
+            link(g, v, f"leaf{leaf}", rank_bw)
+            ranks.append(v)
+    return g, ranks
+
+
+def dgx_a100(boxes):
+    """ForestColl's DGX A100 model: per box an NVSwitch giving each GPU 300 GB/s per direction, and
+    each GPU its own 200 Gbit/s (25 GB/s) NIC into one InfiniBand fabric."""
+    g, ranks = nx.DiGraph(), []
+    for b in range(boxes):
+        for i in range(8):
+            v = f"b{b}/gpu{i}"
+            link(g, v, f"b{b}/nvswitch", 300 * GB)
+            link(g, v, "ib", 25 * GB)
+            ranks.append(v)
+    return g, ranks
+
+
+def three_tier(gpus=4, hosts=16, racks=3):
+    g, ranks = nx.DiGraph(), []
+    for r in range(racks):
+        link(g, f"r{r}", "spine", 50 * GB)
+        for h in range(hosts):
+            link(g, f"r{r}/h{h}", f"r{r}", 12.5 * GB)
+            for k in range(gpus):
+                v = f"r{r}/h{h}/gpu{k}"
+                link(g, v, f"r{r}/h{h}", 150 * GB)
+                ranks.append(v)
+    return g, ranks
+
+
+def allreduce_busbw(graph, ranks):
+    t = bandwidth_bound_graph(graph, ranks, "allreduce", N)
+    return busbw("allreduce", N, t, len(ranks))
+
+
+def allgather_algbw(graph, ranks):
+    return algbw(N, bandwidth_bound_graph(graph, ranks, "allgather", N))
+
+
+def check_cut(graph, ranks, cb):
+    """The reported cut is real: it holds some but not all ranks, and its numbers are its own."""
+    inside = sum(1 for r in ranks if r in cb.cut)
+    assert 1 <= inside < len(ranks)
+    assert cb.ranks_in_cut == inside
+    out = sum(d["capacity"] for u, v, d in graph.edges(data=True) if u in cb.cut and v not in cb.cut)
+    assert cb.bandwidth_out == pytest.approx(out, rel=1e-12)
+    assert cb.seconds_per_byte == pytest.approx(inside / (len(ranks) * out), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# known answers
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8, 16])
+def test_uniform_star(p):
+    B = 25 * GB
+    g, ranks = star(p, B)
+    assert bandwidth_bound_graph(g, ranks, "allreduce", N) == pytest.approx(2 * (p - 1) / p * N / B, rel=1e-9)
+    assert bandwidth_bound_graph(g, ranks, "allgather", N) == pytest.approx((p - 1) / p * N / B, rel=1e-9)
+    assert bandwidth_bound_graph(g, ranks, "reduce_scatter", N) == pytest.approx((p - 1) / p * N / B, rel=1e-9)
+    assert allreduce_busbw(g, ranks) == pytest.approx(B, rel=1e-9)   # busbw of the bound = link bandwidth
+    cb = cut_bound_graph(g, ranks)
+    check_cut(g, ranks, cb)
+    assert cb.rate == pytest.approx(B / (p - 1), rel=1e-12)
+
+
+def test_dgx1_full_allreduce_busbw_150():
+    g, ranks = dgx1()
+    assert allreduce_busbw(g, ranks) == pytest.approx(150 * GB, rel=1e-9)
+    cb = cut_bound_graph(g, ranks)
+    check_cut(g, ranks, cb)
+    assert cb.ranks_in_cut == 7 and cb.bandwidth_out == 150 * GB   # everyone but one GPU feeds it
+
+
+@pytest.mark.parametrize("members, expected", [
+    ([0, 1, 4, 5], 75),     # trees 75 GB/s (best NVLink ring 50)
+    ([0, 4, 6, 7], 50),     # trees 50 GB/s, no NVLink ring
+    ([0, 1, 2, 3, 7], 25),  # trees 25 GB/s: GPU 7 has one 25 GB/s link into the fragment
+])
+def test_dgx1_fragments(members, expected):
+    """busbw = algbw * 2(p-1)/p with p the fragment's own rank count; the cut bound equals the
+    DESIGN's tree figures, so those trees are optimal."""
+    g, ranks = dgx1(members)
+    assert allreduce_busbw(g, ranks) == pytest.approx(expected * GB, rel=1e-9)
+    check_cut(g, ranks, cut_bound_graph(g, ranks))
+
+
+@pytest.mark.parametrize("r, expected", [(1, 64 / 15), (4, 64 / 15), (8, 8 / 3), (16, 4 / 3)])
+def test_fat_tree_oversubscription(r, expected):
+    g, ranks = fat_tree(r)
+    assert allgather_algbw(g, ranks) == pytest.approx(expected * GB, rel=1e-9)
+    assert round(allgather_algbw(g, ranks) / GB, 2) == {1: 4.27, 4: 4.27, 8: 2.67, 16: 1.33}[r]
+
+
+@pytest.mark.parametrize("boxes, expected, limiting", [
+    (2, 346.67, 15),   # everyone but one GPU: its 300 GB/s NVSwitch port + 25 GB/s NIC, 16 * 325/15
+    (4, 266.67, 24),   # everyone but one box: the box's 8 NICs, 32 * 200/24
+])
+def test_dgx_a100_forestcoll_optimum(boxes, expected, limiting):
+    g, ranks = dgx_a100(boxes)
+    cb = cut_bound_graph(g, ranks)
+    check_cut(g, ranks, cb)
+    assert round(cb.algbw / GB, 2) == expected
+    assert cb.ranks_in_cut == limiting
+    assert allgather_algbw(g, ranks) == pytest.approx(cb.algbw, rel=1e-12)
+
+
+def test_three_tier_host_link_limits():
+    g, ranks = three_tier()
+    cb = cut_bound_graph(g, ranks)
+    check_cut(g, ranks, cb)
+    assert cb.ranks_in_cut == 188 and cb.bandwidth_out == 12.5 * GB   # all but one host
+    assert cb.algbw == pytest.approx(192 * 12.5 * GB / 188, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# broadcast, reduce, directions, degenerate cases
+
+
+def test_broadcast_bound():
+    g, ranks = star(8, 25 * GB)
+    assert bandwidth_bound_graph(g, ranks, "broadcast", N) == pytest.approx(N / (25 * GB), rel=1e-12)
+    g, ranks = dgx1()
+    rate, cut = broadcast_bandwidth_graph(g, ranks, root=3)
+    assert rate == 150 * GB and 3 in cut
+    g, ranks = dgx1([0, 1, 2, 3, 7])
+    assert bandwidth_bound_graph(g, ranks, "broadcast", N, root=0) == pytest.approx(N / (25 * GB), rel=1e-12)
+    assert bandwidth_bound_graph(g, ranks, "broadcast", N, root=4) == pytest.approx(N / (25 * GB), rel=1e-12)
+    g, ranks = dgx_a100(2)
+    rate, cut = broadcast_bandwidth_graph(g, ranks, root=0)
+    assert rate == 200 * GB and cut >= {f"b0/gpu{i}" for i in range(8)}   # box 0's eight NICs
+    with pytest.raises(PlanError):
+        bandwidth_bound_graph(g, ranks, "broadcast", N, root=16)
+
+
+def test_directed_graph_reduce_scatter_uses_reverse_cuts():
+    g, ranks = nx.DiGraph(), ["a", "b", "c"]
+    for v in ranks:
+        g.add_edge(v, "sw", capacity=10 * GB, latency=1e-6)
+        g.add_edge("sw", v, capacity=40 * GB, latency=1e-6)
+    # allgather: min(out of one rank 10, into one rank 40 / 2 others) = 10; reduce-scatter: min(40, 10/2)
+    assert cut_bound_graph(g, ranks).rate == 10 * GB
+    assert bandwidth_bound_graph(g, ranks, "allgather", N) == pytest.approx(N / (3 * 10 * GB), rel=1e-12)
+    assert bandwidth_bound_graph(g, ranks, "reduce_scatter", N) == pytest.approx(N / (3 * 5 * GB), rel=1e-12)
+    assert bandwidth_bound_graph(g, ranks, "allreduce", N) == pytest.approx(
+        N / (30 * GB) + N / (15 * GB), rel=1e-12)
+    assert broadcast_bandwidth_graph(g, ranks)[0] == 10 * GB
+    assert reduce_bandwidth_graph(g, ranks)[0] == 10 * GB   # each sender has 10 GB/s out
+
+
+def test_single_rank_and_shared_vertex():
+    g, ranks = star(1, 25 * GB)
+    assert cut_bound_graph(g, ranks) == CutBound(0.0, frozenset(), 0, math.inf)
+    for c in bounds.COLLECTIVES:
+        assert lower_bound_graph(g, ranks, c, N) == Bound(0.0, 0.0, 0.0)
+    # two ranks on gpu0: they exchange for free, count twice in every cut, and have latency 0
+    g, _ = star(3, 30 * GB)
+    ranks = ["gpu0", "gpu0", "gpu1", "gpu2"]
+    cb = cut_bound_graph(g, ranks)
+    assert cb.rate == 10 * GB and cb.ranks_in_cut == 3   # all but gpu1 (or gpu2): 30 GB/s over 3 ranks
+    assert cb.seconds_per_byte == pytest.approx(3 / (4 * 30 * GB), rel=1e-12)
+    assert min_rank_latency_graph(g, ranks) == 0.0
+    assert broadcast_bandwidth_graph(g, ["gpu0", "gpu0"])[0] == math.inf
+
+
+def test_disconnected_rank_is_infinite():
+    g, ranks = star(3, 25 * GB)
+    g.add_node("lonely")
+    assert math.isinf(cut_bound_graph(g, ranks + ["lonely"]).seconds_per_byte)
+    g.add_edge("lonely", "sw", capacity=25 * GB, latency=1e-6)      # can send, cannot receive
+    cb = cut_bound_graph(g, ranks + ["lonely"])
+    assert math.isinf(cb.seconds_per_byte) and cb.bandwidth_out == 0.0 and "lonely" not in cb.cut
+    h = nx.DiGraph()
+    h.add_edge(0, 9, capacity=1.0, latency=1e-6)
+    h.add_node(1)
+    assert min_rank_latency_graph(h, [0, 1]) == math.inf
+
+
+def test_inexact_capacities_still_give_the_cut():
+    # 16/6 GB/s has no small common unit with the others: rounded flows, but a real (optimal) cut
+    g, ranks = fat_tree(6)
+    cb = cut_bound_graph(g, ranks)
+    check_cut(g, ranks, cb)
+    assert cb.ranks_in_cut == 12
+    assert cb.algbw == pytest.approx(16 * (16 * GB / 6) / 12, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# latency
+
+
+def test_latency_bound():
+    g, ranks = star(8, 25 * GB, latency=1e-6)
+    assert min_rank_latency_graph(g, ranks) == pytest.approx(2e-6)
+    for c in bounds.COLLECTIVES:
+        assert latency_bound_graph(g, ranks, c) == pytest.approx(3 * 2e-6)
+    g, ranks = star(9, 25 * GB, latency=1e-6)
+    assert latency_bound_graph(g, ranks, "allreduce") == pytest.approx(4 * 2e-6)
+    g, ranks = dgx1()
+    g[0][1]["latency"] = 0.5e-6
+    assert latency_bound_graph(g, ranks, "allgather") == pytest.approx(3 * 0.5e-6)
+    # directed: only a -> x -> c exists; the vertex that is nearest to c's own out-edges is c itself
+    h = nx.DiGraph()
+    h.add_edge("a", "x", latency=5e-6, capacity=1.0)
+    h.add_edge("x", "c", latency=4e-6, capacity=1.0)
+    h.add_edge("c", "x", latency=1e-6, capacity=1.0)
+    assert min_rank_latency_graph(h, ["a", "c"]) == pytest.approx(9e-6)
+
+
+def test_lower_bound_is_max_of_parts():
+    g, ranks = star(4, 25 * GB, latency=1e-6)
+    small = lower_bound_graph(g, ranks, "allreduce", 8)
+    assert small.seconds == small.latency_seconds == pytest.approx(2 * 2e-6)
+    big = lower_bound_graph(g, ranks, "allreduce", N)
+    assert big.seconds == big.bandwidth_seconds == pytest.approx(1.5 * N / (25 * GB))
+    with pytest.raises(PlanError):
+        lower_bound_graph(g, ranks, "alltoallv", N)
+
+
+def test_busbw_helpers():
+    assert algbw(100, 2.0) == 50.0 and algbw(100, 0.0) == math.inf
+    assert busbw_factor("allreduce", 8) == pytest.approx(1.75)
+    assert busbw_factor("allgather", 8) == busbw_factor("reduce_scatter", 8) == pytest.approx(0.875)
+    assert busbw_factor("broadcast", 8) == busbw_factor("reduce", 8) == 1.0
+    assert busbw("allreduce", 100, 1.0, 4) == pytest.approx(150.0)
+    with pytest.raises(PlanError):
+        busbw_factor("scan", 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# against brute force
+
+
+def random_graph(rng, integer=True):
+    nranks = rng.randint(3, 7)
+    nswitch = rng.randint(0, 2)
+    vertices = [f"r{i}" for i in range(nranks)] + [f"s{i}" for i in range(nswitch)]
+    g = nx.DiGraph()
+    g.add_nodes_from(vertices)
+
+    def cap():
+        return float(rng.randint(1, 12)) * GB if integer else rng.uniform(0.1, 100.0) * GB
+    for a, b in itertools.permutations(vertices, 2):
+        if rng.random() < 0.35:
+            g.add_edge(a, b, capacity=cap(), latency=rng.choice([1, 2, 3, 5]) * 1e-6)
+    ranks = [f"r{i}" for i in range(nranks)]
+    if rng.random() < 0.15:
+        ranks.append(rng.choice(ranks))   # two ranks on one vertex now and then
+    return g, ranks
+
+
+def brute_rate(g, ranks):
+    """min over vertex sets S holding some but not all ranks of B+(S) / |S ∩ ranks|."""
+    vertices = list(g.nodes)
+    best = math.inf
+    for bits in range(1, 2 ** len(vertices)):
+        S = {v for i, v in enumerate(vertices) if bits >> i & 1}
+        k = sum(1 for r in ranks if r in S)
+        if k == 0 or k == len(ranks):
+            continue
+        out = sum(d["capacity"] for u, v, d in g.edges(data=True) if u in S and v not in S)
+        best = min(best, out / k)
+    return best
+
+
+def brute_latency(g, ranks):
+    rset, best = set(ranks), math.inf
+    if len(rset) < len(ranks):
+        return 0.0
+    for u, v in itertools.permutations(rset, 2):
+        sub = g.subgraph([w for w in g if w not in rset or w in (u, v)])
+        try:
+            best = min(best, nx.dijkstra_path_length(sub, u, v, weight="latency"))
+        except nx.NetworkXNoPath:
+            pass
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_cut_bound_matches_brute_force(rng):
+    g, ranks = random_graph(rng)
+    expected = brute_rate(g, ranks)
+    cb = cut_bound_graph(g, ranks)
+    if expected == 0:
+        assert math.isinf(cb.seconds_per_byte)
+        return
+    assert cb.rate == pytest.approx(expected, rel=1e-12)
+    check_cut(g, ranks, cb)
+    assert min_rank_latency_graph(g, ranks) == pytest.approx(brute_latency(g, ranks), rel=1e-12)
+    root = rng.randrange(len(ranks))
+    others = {r for r in ranks if r != ranks[root]}
+    flows = [nx.maximum_flow_value(g, ranks[root], v) for v in others]
+    rate, cut = broadcast_bandwidth_graph(g, ranks, root)
+    assert rate == pytest.approx(min(flows) if flows else math.inf, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_cut_bound_float_capacities(rng):
+    """Arbitrary float capacities: rounded flows, but always a real cut within 1e-6 of the optimum."""
+    g, ranks = random_graph(rng, integer=False)
+    expected = brute_rate(g, ranks)
+    cb = cut_bound_graph(g, ranks)
+    if expected == 0:
+        assert math.isinf(cb.seconds_per_byte)
+        return
+    check_cut(g, ranks, cb)
+    assert expected * (1 - 1e-12) <= cb.rate <= expected * (1 + 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Topology wrappers
+
+
+class StandIn:
+    """The part of the Topology interface that ddl.bounds uses."""
+
+    def __init__(self, graph, ranks, name="stand-in"):
+        self._graph = nx.freeze(graph)
+        self.ranks = tuple(ranks)
+        self.nranks = len(self.ranks)
+        self.name = name
+        edges = sorted((str(u), str(v), d["capacity"], d["latency"]) for u, v, d in graph.edges(data=True))
+        self.fingerprint = hashlib.sha256(repr((edges, self.ranks)).encode()).hexdigest()
+        self.calls = 0
+
+    def usable_graph(self):
+        self.calls += 1
+        return self._graph
+
+
+def test_wrappers_on_stand_in_topology():
+    topo = StandIn(*dgx1())
+    cb = cut_bound(topo)
+    assert cut_bound(topo) is cb and cut_bound(topo, reverse=True) is cb   # cached; full duplex
+    calls = topo.calls
+    t = bandwidth_bound(topo, "allreduce", N)
+    assert topo.calls == calls                                              # served from the cache
+    assert busbw("allreduce", N, t, 8) == pytest.approx(150 * GB, rel=1e-9)
+    assert bandwidth_bound(topo, "broadcast", N, root=2) == pytest.approx(N / (150 * GB))
+    assert latency_bound(topo, "allreduce") == pytest.approx(3e-6)
+    lb = lower_bound(topo, "allgather", N)
+    assert lb.seconds == lb.bandwidth_seconds == pytest.approx(N * 7 / (8 * 150 * GB))
+    assert latency_bound(StandIn(*star(1, GB)), "broadcast") == 0.0
+    with pytest.raises(PlanError):
+        bandwidth_bound(topo, "broadcast", N, root=8)
+
+
+def _topology_module():
+    try:
+        from ddl import topology
+    except ImportError:
+        return None
+    return topology
+
+
+def _dgx1_topology():
+    """NVLink DGX-1 as a Topology. Topology requires every rank pair to be connected without GPU
+    forwarding, so the GPUs also hang off a token 1 kB/s PCIe switch (1e-8 of an NVLink: invisible at
+    rel=1e-6)."""
+    from ddl.topology import Topology
+    return Topology.from_dict({
+        "name": "dgx1-nvlink",
+        "defaults": {"latency": "1 us"},
+        "nodes": [{"id": "gpu{g}", "kind": "gpu", "for": {"g": 8}}, {"id": "pcie", "kind": "pcie"}],
+        "links": [
+            {"a": "gpu{g}", "b": "pcie", "bandwidth": "1 kB/s", "latency": "5 us", "for": {"g": 8}},
+            {"a": "gpu{p[0]}", "b": "gpu{p[1]}", "bandwidth": "25 GB/s", "count": 2,
+             "for": {"p": [list(e) for e in DGX1_DOUBLE]}},
+            {"a": "gpu{p[0]}", "b": "gpu{p[1]}", "bandwidth": "25 GB/s",
+             "for": {"p": [list(e) for e in DGX1_SINGLE]}},
+        ],
+        "ranks": [{"id": "gpu{g}", "for": {"g": 8}}],
+    })
+
+
+def test_topology_dgx1_and_fragments():
+    topo = _dgx1_topology()
+    t = bandwidth_bound(topo, "allreduce", N)
+    assert busbw("allreduce", N, t, 8) == pytest.approx(150 * GB, rel=1e-6)
+    assert cut_bound(topo) is cut_bound(topo)
+    assert latency_bound(topo, "allreduce") == pytest.approx(3e-6)
+    # fragments: the GPUs left out are not ranks and cannot forward (usable_graph drops them)
+    for members, expected in (([0, 1, 4, 5], 75), ([0, 4, 6, 7], 50), ([0, 1, 2, 3, 7], 25)):
+        frag = topo.with_ranks([f"gpu{g}" for g in members])
+        t = bandwidth_bound(frag, "allreduce", N)
+        assert busbw("allreduce", N, t, len(members)) == pytest.approx(expected * GB, rel=1e-6)
+        lb = lower_bound(frag, "allreduce", N)
+        assert lb.seconds == lb.bandwidth_seconds == t
+
+
+def test_topology_hierarchy_three_tier():
+    from ddl.topology import Topology
+    topo = Topology.from_dict({"name": "ibm-3tier", "tiers": [
+        {"name": "gpu", "count": 4, "bandwidth": "150 GB/s", "latency": "1 us"},
+        {"name": "host", "count": 16, "bandwidth": "12.5 GB/s", "latency": "1 us"},
+        {"name": "rack", "count": 3, "bandwidth": "50 GB/s", "latency": "1 us"}]})
+    assert topo.nranks == 192
+    cb = cut_bound(topo)
+    assert cb.ranks_in_cut == 188 and cb.bandwidth_out == pytest.approx(12.5 * GB)
+    g, ranks = three_tier()
+    assert cb.seconds_per_byte == pytest.approx(cut_bound_graph(g, ranks).seconds_per_byte, rel=1e-12)
+    assert latency_bound(topo, "allgather") == pytest.approx(8 * 2e-6)   # ceil(log2 192) = 8, GPU-host-GPU
+    assert bandwidth_bound(topo, "broadcast", N) == pytest.approx(N / (12.5 * GB), rel=1e-12)
