@@ -1,0 +1,585 @@
+"""Reading, validating and expanding topology files.
+
+A topology file (YAML; JSON when its name ends in ``.json``) comes in three shapes that all end up in
+one *explicit form*, a :class:`Spec`:
+
+* explicit: ``name``, ``nodes``, ``links``, ``ranks`` (optional ``defaults``, ``description``);
+* with repetition: any entry of ``nodes``, ``links`` or ``ranks`` may carry ``for: {i: 4, j: [0, 2]}``
+  and is then repeated over the product of the values (first variable slowest), every string in it
+  being a :meth:`str.format` template over the variables;
+* the hierarchy form (IBM DDL's X x Y x Z): ``tiers`` instead of ``nodes``/``links``.
+
+Everything a user can get wrong raises :class:`~ddl.errors.TopologyError` naming the file, the entry
+(``links[3]``, or ``links[3] (i=2, j=5)`` for one repetition of a ``for:`` entry) and how to fix it,
+because the person editing a YAML file should never need a Python traceback. Checks that need the
+graph (ranks reaching each other) live in :mod:`ddl.topology`.
+
+Units inside a Spec: bytes/s, seconds.
+"""
+import difflib
+import itertools
+import json
+import math
+import pathlib
+from collections import namedtuple
+
+import yaml
+
+from .errors import TopologyError
+from .units import BANDWIDTH_UNITS, LATENCY_UNITS, parse_bandwidth, parse_latency
+
+KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
+DEFAULT_LATENCY = 1e-6  # seconds, when neither the link nor the file's defaults give one
+
+TOP_KEYS = ("name", "description", "defaults", "nodes", "links", "ranks", "tiers")
+DEFAULT_KEYS = ("latency", "reduce_bandwidth")
+NODE_KEYS = ("id", "kind", "host", "reduce_bandwidth")
+LINK_KEYS = ("a", "b", "bandwidth", "latency", "count", "directed")
+RANK_KEYS = ("id",)
+TIER_KEYS = ("name", "count", "bandwidth", "latency", "kind")
+
+# Vertex id prefix and kind of the children created by each tier of the hierarchy form, innermost
+# first; the first tier's kind may be overridden by its `kind` key.
+_TIER_CHILD = (("gpu", "gpu"), ("h", "host"), ("r", "switch"))
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class Link(namedtuple("Link", "a b bandwidth latency count directed")):
+    """One link entry: ``count`` parallel links of ``bandwidth`` bytes/s each way (a -> b only when
+    ``directed``), ``latency`` seconds. Normalized links always carry a float latency."""
+
+    __slots__ = ()
+
+    def __new__(cls, a, b, bandwidth, latency=None, count=1, directed=False):
+        return super().__new__(cls, a, b, bandwidth, latency, count, directed)
+
+
+Spec = namedtuple("Spec", "name description defaults nodes links ranks source")
+Spec.__doc__ = """A validated topology in explicit form.
+
+``nodes`` is a tuple of ``(id, kind, attrs)`` with attrs a dict (``host``, ``reduce_bandwidth``),
+``links`` a tuple of :class:`Link`, ``ranks`` a tuple of vertex ids, ``defaults`` a dict of floats,
+``source`` the file path or None."""
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+def load(path):
+    """Read, expand and validate the topology file at ``path``; return its :class:`Spec`."""
+    return parse(read(path), source=str(path))
+
+
+def read(path):
+    """Parse the file at ``path`` (JSON for ``*.json``, YAML otherwise) into plain Python data."""
+    source = str(path)
+    try:
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TopologyError("no such file; check the path (give a .yaml or .json topology file)",
+                            source) from None
+    except IsADirectoryError:
+        raise TopologyError("is a directory; give the path of a .yaml or .json topology file",
+                            source) from None
+    except UnicodeDecodeError as exc:
+        raise TopologyError(f"is not UTF-8 text (bad byte at offset {exc.start}); save it as UTF-8",
+                            source) from None
+    except OSError as exc:
+        raise TopologyError(f"cannot read the file ({exc.strerror}); check its permissions",
+                            source) from None
+    data = _parse_json(text, source) if source.lower().endswith(".json") else _parse_yaml(text, source)
+    if data is None:
+        raise TopologyError("the file is empty; a topology needs name, nodes, links and ranks "
+                            "(or name and tiers)", source)
+    return data
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping."""
+
+
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """Safe YAML loader (libyaml's when installed: 10x faster on cluster-sized files) that refuses a
+    key given twice in one mapping; PyYAML keeps the last one silently, which would hide a typo such
+    as two ``b:`` in a link."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float)):
+                continue
+            if key in seen:
+                raise _DuplicateKey(
+                    "while reading a mapping", node.start_mark,
+                    f"the key {key!r} is given twice in one mapping; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text, source):
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        if isinstance(exc, _DuplicateKey):
+            raise TopologyError(f"{problem}{where}", source) from None
+        raise TopologyError(f"YAML syntax error{where}: {problem}; check the indentation, colons and "
+                            f"brackets there (quote strings that contain ': ', '#', '{{' or '[')",
+                            source) from None
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"YAML error: {exc}", source) from None
+
+
+def _parse_json(text, source):
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise TopologyError(f"the key {twice[0]!r} is given twice in one JSON object; keep one", source)
+        return dict(pairs)
+
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise TopologyError(f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
+                            "check commas, quotes and brackets there", source) from None
+
+
+def write(data, path):
+    """Write plain data (an explicit-form dict) as YAML, or JSON when ``path`` ends in ``.json``."""
+    path = pathlib.Path(path)
+    if path.suffix.lower() == ".json":
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    else:
+        text = yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False,
+                         default_flow_style=None, allow_unicode=True, width=100)
+    path.write_text(text, encoding="utf-8")
+
+
+# -------------------------------------------------------------------------------------- validating
+
+def parse(data, source=None):
+    """Expand and validate plain data (as read from a file) into a :class:`Spec`.
+
+    ``source`` names the file in error messages (``<dict>`` when None)."""
+    where = source or "<dict>"
+    if not isinstance(data, dict):
+        _fail(where, None, f"the top level must be a mapping with name, nodes, links and ranks "
+                           f"(or name and tiers), not {_a(data)}")
+    _check_keys(data, TOP_KEYS, where, None, "a topology")
+    name = _string(data, "name", where, None, "the topology")
+    description = _optional_string(data, "description", where)
+    defaults = _defaults(data.get("defaults"), where)
+    if "tiers" in data:
+        mixed = [k for k in ("nodes", "links") if k in data]
+        if mixed:
+            _fail(where, "tiers", f"the hierarchy form (tiers) replaces nodes and links; remove "
+                                  f"{' and '.join(mixed)} or remove tiers")
+        nodes, links, leaves = _hierarchy(data["tiers"], where)
+        ranks = _expand("ranks", data["ranks"], where) if "ranks" in data else [
+            ("ranks", leaf) for leaf in leaves]
+    else:
+        missing = [k for k in ("nodes", "links", "ranks") if k not in data]
+        if missing:
+            _fail(where, None, f"missing section {', '.join(missing)}; a topology needs name, nodes, "
+                               f"links and ranks (or name and tiers for the hierarchy form)")
+        nodes = _expand("nodes", data["nodes"], where)
+        links = _expand("links", data["links"], where)
+        ranks = _expand("ranks", data["ranks"], where)
+    return _normalize(name, description, defaults, nodes, links, ranks, where, source)
+
+
+def build(name, nodes, links, ranks, defaults=None, source=None, description=None):
+    """Validate the arguments of ``Topology(...)`` into a :class:`Spec`.
+
+    ``nodes``: ``(id, kind)`` pairs or dicts; ``links``: :class:`Link` or dicts; ``ranks``: ids;
+    ``defaults``: dict of raw values (``'1 us'``) or floats. Entries are named ``nodes[k]`` etc."""
+    where = source or "<dict>"
+    if not isinstance(name, str) or not name:
+        _fail(where, "name", f"the name must be a non-empty string, not {_a(name)}")
+    if description is not None and not isinstance(description, str):
+        _fail(where, "description", f"the description must be a string, not {_a(description)}")
+    sections = {"nodes": nodes, "links": links, "ranks": ranks}
+    labelled = {}
+    for section, items in sections.items():
+        if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
+            _fail(where, section, f"{section} must be a list, not {_a(items)}")
+        labelled[section] = [(f"{section}[{k}]", item) for k, item in enumerate(items)]
+    return _normalize(name, description, _defaults(defaults, where), labelled["nodes"],
+                      labelled["links"], labelled["ranks"], where, source)
+
+
+def _normalize(name, description, defaults, nodes, links, ranks, where, source):
+    """Check every entry and the references between them; entries are ``(label, raw)`` pairs."""
+    node_list, label_of = [], {}
+    for label, entry in nodes:
+        node = _node(entry, where, label)
+        if node[0] in label_of:
+            _fail(where, label, f"node id {node[0]!r} is already defined by {label_of[node[0]]}; "
+                                f"node ids must be unique, rename or remove one")
+        label_of[node[0]] = label
+        node_list.append(node)
+    latency = defaults.get("latency", DEFAULT_LATENCY)
+    link_list = []
+    for label, entry in links:
+        link = _link(entry, latency, where, label)
+        for end in ("a", "b"):
+            _check_reference(getattr(link, end), label_of, where, label, f"link end {end}")
+        link_list.append(link)
+    rank_list = _ranks(ranks, label_of, where)
+    return Spec(name, description, defaults, tuple(node_list), tuple(link_list), tuple(rank_list), source)
+
+
+def _defaults(entry, where):
+    if entry is None:
+        return {}
+    if not isinstance(entry, dict):
+        _fail(where, "defaults", f"defaults must be a mapping such as {{latency: 1 us, reduce_bandwidth: "
+                                 f"20 GB/s}}, not {_a(entry)}")
+    _check_keys(entry, DEFAULT_KEYS, where, "defaults", "defaults")
+    out = {}
+    if entry.get("latency") is not None:
+        out["latency"] = _latency(entry["latency"], where, "defaults")
+    if entry.get("reduce_bandwidth") is not None:
+        out["reduce_bandwidth"] = _bandwidth(entry["reduce_bandwidth"], where, "defaults", "reduce_bandwidth")
+    return out
+
+
+def _node(entry, where, label):
+    if isinstance(entry, (tuple, list)) and len(entry) == 2:
+        entry = {"id": entry[0], "kind": entry[1]}
+    if not isinstance(entry, dict):
+        _fail(where, label, f"a node is a mapping such as {{id: h0/gpu0, kind: gpu}}, not {_a(entry)}")
+    _check_keys(entry, NODE_KEYS, where, label, "a node")
+    node_id = _string(entry, "id", where, label, "a node")
+    kind = _string(entry, "kind", where, label, "a node")
+    if kind not in KINDS:
+        _fail(where, label, f"unknown kind {kind!r}{_did_you_mean(kind, KINDS)}; kind is one of "
+                            f"{', '.join(KINDS)}")
+    attrs = {}
+    if entry.get("host") is not None:
+        attrs["host"] = _string(entry, "host", where, label, "a node")
+    if entry.get("reduce_bandwidth") is not None:
+        attrs["reduce_bandwidth"] = _bandwidth(entry["reduce_bandwidth"], where, label, "reduce_bandwidth")
+    return node_id, kind, attrs
+
+
+def _link(entry, default_latency, where, label):
+    if isinstance(entry, Link):
+        entry = entry._asdict()
+    if not isinstance(entry, dict):
+        _fail(where, label, f"a link is a mapping such as {{a: h0/gpu0, b: h0, bandwidth: 16 GB/s}}, "
+                            f"not {_a(entry)}")
+    _check_keys(entry, LINK_KEYS, where, label, "a link")
+    a = _string(entry, "a", where, label, "a link")
+    b = _string(entry, "b", where, label, "a link")
+    if a == b:
+        _fail(where, label, f"the link connects {a!r} to itself; fix a or b, or remove the link")
+    if "bandwidth" not in entry:
+        _fail(where, label, "missing key 'bandwidth'; add e.g. bandwidth: 25 GB/s (each way)")
+    bandwidth = _bandwidth(entry["bandwidth"], where, label, "bandwidth")
+    latency = entry.get("latency")
+    latency = default_latency if latency is None else _latency(latency, where, label)
+    count = entry.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        _fail(where, label, f"count must be a whole number >= 1 (parallel links), not {count!r}")
+    directed = entry.get("directed", False)
+    if not isinstance(directed, bool):
+        _fail(where, label, f"directed must be true or false, not {directed!r}")
+    return Link(a, b, bandwidth, latency, count, directed)
+
+
+def _ranks(entries, label_of, where):
+    ranks, rank_label = [], {}
+    for label, entry in entries:
+        if isinstance(entry, dict):
+            _check_keys(entry, RANK_KEYS, where, label, "a rank")
+            vertex = _string(entry, "id", where, label, "a rank")
+        elif isinstance(entry, str) and entry:
+            vertex = entry
+        else:
+            _fail(where, label, f"a rank is a node id (string) or {{id: ..., for: ...}}, not {_a(entry)}")
+        _check_reference(vertex, label_of, where, label, "rank")
+        if vertex in rank_label:
+            _fail(where, label, f"vertex {vertex!r} is already rank {ranks.index(vertex)} "
+                                f"({rank_label[vertex]}); list each vertex once in ranks")
+        rank_label[vertex] = label
+        ranks.append(vertex)
+    if not ranks:
+        _fail(where, "ranks", "ranks is empty; list the node id of every rank, e.g. ranks: [h0/gpu0]")
+    return ranks
+
+
+def _check_reference(vertex, label_of, where, label, what):
+    if vertex not in label_of:
+        _fail(where, label, f"{what} {vertex!r} names no node{_did_you_mean(vertex, label_of)}; "
+                            f"add it to nodes or fix the id")
+
+
+# ------------------------------------------------------------------------------------ `for:` expansion
+
+def _expand(section, entries, where):
+    """``(label, entry)`` for every entry of a section, ``for:`` entries repeated."""
+    if not isinstance(entries, list):
+        example = {"nodes": "- {id: h0/gpu0, kind: gpu}", "links": "- {a: h0/gpu0, b: h0, bandwidth: 16 GB/s}",
+                   "ranks": "[h0/gpu0, h0/gpu1]"}[section]
+        _fail(where, section, f"{section} must be a list (e.g. {example}), not {_a(entries)}")
+    out = []
+    for k, entry in enumerate(entries):
+        label = f"{section}[{k}]"
+        if isinstance(entry, dict) and "for" in entry:
+            out.extend(_repeat(entry, where, label))
+        else:
+            out.append((label, entry))
+    return out
+
+
+def _repeat(entry, where, label):
+    """Every repetition of a ``for:`` entry, labelled ``links[3] (i=2, j=5)``."""
+    names, values = _loop_variables(entry["for"], where, label)
+    body = {key: value for key, value in entry.items() if key != "for"}
+    out = []
+    for combo in itertools.product(*values):
+        env = dict(zip(names, combo, strict=True))
+        tag = ", ".join(f"{n}={v}" for n, v in env.items())
+        out.append((f"{label} ({tag})", _fill(body, env, where, label)))
+    return out
+
+
+def _loop_variables(spec, where, label):
+    hint = "write for: {i: 4, j: [0, 2]} (a count N means 0..N-1, or a list of values)"
+    if not isinstance(spec, dict) or not spec:
+        _fail(where, label, f"for: must be a non-empty mapping of variables; {hint}, not {_a(spec)}")
+    names, values = [], []
+    for name, value in spec.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            _fail(where, label, f"for: variable {name!r} is not a valid name (letters, digits, _); {hint}")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            value = range(value)
+        elif not isinstance(value, list) or not value:
+            _fail(where, label, f"for: {name}: {value!r} is not a count >= 1 or a non-empty list; {hint}")
+        names.append(name)
+        values.append(value)
+    return names, values
+
+
+def _fill(value, env, where, label):
+    """Format every string inside ``value`` with the loop variables."""
+    if isinstance(value, str):
+        try:
+            return value.format(**env)
+        except KeyError as exc:
+            _fail(where, label, f"template {value!r} uses {{{exc.args[0]}}}, which is not a for: "
+                                f"variable (have {', '.join(env)}); fix the name or add it to for:")
+        except (IndexError, ValueError, TypeError, AttributeError) as exc:
+            _fail(where, label, f"cannot fill template {value!r} ({exc}); templates are Python "
+                                f"str.format strings such as 'h{{i}}/gpu{{p[0]}}'")
+    if isinstance(value, list):
+        return [_fill(v, env, where, label) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill(v, env, where, label) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------------- hierarchy form
+
+_TierEntry = namedtuple("_TierEntry", "name count bandwidth latency kind")
+
+
+def _hierarchy(tiers, where):
+    """Nodes, links and leaves of the hierarchy form, built top-down from the ``spine`` switch.
+
+    Children of tier k are linked to their parent with tier k's bandwidth; ids follow the contract
+    (``r{rack}/h{host}/gpu{g}`` with 3 tiers, ``h{host}/gpu{g}`` with 2)."""
+    if not isinstance(tiers, list) or len(tiers) not in (2, 3):
+        _fail(where, "tiers", "tiers must list 2 or 3 tiers, innermost first, e.g. [{name: gpu, count: 4, "
+                              f"bandwidth: 150 GB/s}}, {{name: host, count: 16, bandwidth: 100 Gbit/s}}], "
+                              f"not {_a(tiers)}")
+    parsed = [_tier(entry, k, where) for k, entry in enumerate(tiers)]
+    nodes = [("tiers", {"id": "spine", "kind": "switch"})]
+    links, parents = [], ["spine"]
+    for k in reversed(range(len(parsed))):
+        tier, label = parsed[k], f"tiers[{k}]"
+        prefix, kind = _TIER_CHILD[k]
+        kind = tier.kind or kind
+        children = []
+        for parent in parents:
+            for i in range(tier.count):
+                child = f"{prefix}{i}" if parent == "spine" else f"{parent}/{prefix}{i}"
+                nodes.append((label, {"id": child, "kind": kind}))
+                links.append((label, Link(child, parent, tier.bandwidth, tier.latency)))
+                children.append(child)
+        parents = children
+    return nodes, links, parents
+
+
+def _tier(entry, k, where):
+    label = f"tiers[{k}]"
+    if not isinstance(entry, dict):
+        _fail(where, label, f"a tier is a mapping such as {{name: gpu, count: 4, bandwidth: 150 GB/s}}, "
+                            f"not {_a(entry)}")
+    _check_keys(entry, TIER_KEYS, where, label, "a tier")
+    name = _optional_string(entry, "name", where, label)
+    count = entry.get("count")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        _fail(where, label, f"count must be a whole number >= 1 (children per parent), not {count!r}")
+    if "bandwidth" not in entry:
+        _fail(where, label, "missing key 'bandwidth'; add the link bandwidth to the parent, e.g. 100 Gbit/s")
+    bandwidth = _bandwidth(entry["bandwidth"], where, label, "bandwidth")
+    latency = None if entry.get("latency") is None else _latency(entry["latency"], where, label)
+    kind = entry.get("kind")
+    if kind is not None:
+        if k != 0:
+            _fail(where, label, "kind applies only to the first (innermost) tier; remove it here")
+        if kind not in KINDS:
+            _fail(where, label, f"unknown kind {kind!r}{_did_you_mean(str(kind), KINDS)}; kind is one of "
+                                f"{', '.join(KINDS)}")
+    return _TierEntry(name, count, bandwidth, latency, kind)
+
+
+# ------------------------------------------------------------------------------------ explicit dict
+
+def explicit(spec):
+    """The explicit-form dict of a Spec: plain data that :func:`parse` turns back into an equal Spec.
+
+    Values are written with units when that is exact (``'25 GB/s'``), else as plain numbers (bytes/s,
+    seconds). Every link carries its latency, so ``defaults.latency`` is dropped: the dict is canonical
+    for the fabric, whichever way the file spelled it."""
+    out = {"name": spec.name}
+    if spec.description is not None:
+        out["description"] = spec.description
+    if "reduce_bandwidth" in spec.defaults:
+        out["defaults"] = {"reduce_bandwidth": bandwidth_text(spec.defaults["reduce_bandwidth"])}
+    out["nodes"] = [_node_dict(*node) for node in spec.nodes]
+    out["links"] = [_link_dict(link) for link in spec.links]
+    out["ranks"] = list(spec.ranks)
+    return out
+
+
+def _node_dict(node_id, kind, attrs):
+    out = {"id": node_id, "kind": kind}
+    if "host" in attrs:
+        out["host"] = attrs["host"]
+    if "reduce_bandwidth" in attrs:
+        out["reduce_bandwidth"] = bandwidth_text(attrs["reduce_bandwidth"])
+    return out
+
+
+def _link_dict(link):
+    out = {"a": link.a, "b": link.b, "bandwidth": bandwidth_text(link.bandwidth),
+           "latency": latency_text(link.latency)}
+    if link.count != 1:
+        out["count"] = link.count
+    if link.directed:
+        out["directed"] = True
+    return out
+
+
+def bandwidth_text(value):
+    """``25e9`` -> ``'25 GB/s'`` when that parses back exactly, else the number itself."""
+    return _exact_text(value, parse_bandwidth, (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6),
+                                                ("kB/s", 1e3), ("B/s", 1.0)))
+
+
+def latency_text(value):
+    """``1e-6`` -> ``'1 us'`` when that parses back exactly, else the number itself."""
+    return _exact_text(value, parse_latency, (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)))
+
+
+def _exact_text(value, parse_text, units):
+    for unit, scale in units:
+        if value >= scale or scale == units[-1][1]:
+            text = f"{value / scale:.15g} {unit}"
+            if "e" not in text and _canonical(parse_text(text)) == value:
+                return text
+            break
+    return value
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _fail(where, entry, message):
+    raise TopologyError(message, source=where, entry=entry)
+
+
+def _a(value):
+    """'a list', 'the string 'x'' ...: how a wrong value is described in messages."""
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    names = {dict: "a mapping", list: "a list", tuple: "a tuple", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return f"{names.get(type(value), type(value).__name__)} ({value!r})"[:120]
+
+
+def _did_you_mean(word, choices, cutoff=0.5):
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=cutoff)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _check_keys(entry, allowed, where, label, what):
+    for key in entry:
+        if key not in allowed:
+            repeat = " (and for: to repeat it)" if what in ("a node", "a link", "a rank") else ""
+            _fail(where, label, f"unknown key {key!r}{_did_you_mean(str(key), allowed, 0.6)}; {what} takes "
+                                f"{', '.join(allowed)}{repeat}")
+
+
+def _string(entry, key, where, label, what):
+    if key not in entry:
+        _fail(where, label or key, f"missing key {key!r}; {what} needs {key}")
+    value = entry[key]
+    if not isinstance(value, str) or not value:
+        hint = f"; quote it: {key}: \"{value}\"" if isinstance(value, (int, float)) else ""
+        _fail(where, label or key, f"{key} must be a non-empty string, not {_a(value)}{hint}")
+    return value
+
+
+def _optional_string(entry, key, where, label=None):
+    value = entry.get(key)
+    if value is not None and not isinstance(value, str):
+        _fail(where, label or key, f"{key} must be a string, not {_a(value)}")
+    return value
+
+
+def _bandwidth(value, where, label, key):
+    try:
+        result = _signed(parse_bandwidth, value)
+    except ValueError:
+        _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
+                            f"{BANDWIDTH_UNITS}, e.g. '25 GB/s' or '100 Gbit/s'")
+    if not math.isfinite(result) or result <= 0:
+        _fail(where, label, f"{key} must be positive and finite, got {value!r}; give the rate of one "
+                            f"link in one direction, e.g. '25 GB/s'")
+    return result
+
+
+def _latency(value, where, label):
+    try:
+        result = _signed(parse_latency, value)
+    except ValueError:
+        _fail(where, label, f"cannot read latency {value!r}: write a number and a unit, one of "
+                            f"{LATENCY_UNITS}, e.g. '2 us'")
+    if not math.isfinite(result) or result < 0:
+        _fail(where, label, f"latency must be zero or positive and finite, got {value!r}, e.g. '2 us'")
+    return result
+
+
+def _signed(parse_text, value):
+    """ddl.units reads no sign; read '-5 GB/s' as -5e9 so the message can say "must be positive"."""
+    if isinstance(value, str) and value.strip().startswith("-"):
+        return -_canonical(parse_text(value.strip()[1:]))
+    return _canonical(parse_text(value))
+
+
+def _canonical(value):
+    """Round to 12 significant digits, so that spellings of one value ('1000 ns', '1 us', 1e-6) give
+    the same float and hence the same fingerprint (unit scaling leaves last-bit noise otherwise)."""
+    return float(f"{value:.12g}")

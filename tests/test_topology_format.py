@@ -1,0 +1,557 @@
+"""The topology file format: explicit form, units, count/directed, `for:` repetition, the `tiers:`
+hierarchy form, JSON, round trips, and one test per kind of bad input (message names the file, the
+entry and a fix)."""
+import copy
+import json
+import pathlib
+import textwrap
+
+import pytest
+import yaml
+
+from ddl import TopologyError
+from ddl.topology import Link, Topology
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+MINI_YAML = """\
+name: mini
+nodes:
+  - {id: sw, kind: switch}
+  - {id: h0, kind: host}
+  - {id: h0/gpu0, kind: gpu}
+  - {id: h0/gpu1, kind: gpu}
+links:
+  - {a: h0/gpu0, b: h0/gpu1, bandwidth: 25 GB/s, latency: 3 us, count: 2}
+  - {a: h0/gpu0, b: h0, bandwidth: 16 GB/s}
+  - {a: h0/gpu1, b: h0, bandwidth: 16 GB/s}
+  - {a: h0, b: sw, bandwidth: 100 Gbit/s}
+ranks: [h0/gpu0, h0/gpu1]
+"""
+
+
+def mini():
+    return yaml.safe_load(MINI_YAML)
+
+
+def pair(bandwidth="10 GB/s", **link):
+    """Two GPUs on a switch; `link` overrides keys of the first link."""
+    return {"name": "pair",
+            "nodes": [{"id": "sw", "kind": "switch"}, {"id": "g0", "kind": "gpu"}, {"id": "g1", "kind": "gpu"}],
+            "links": [{"a": "g0", "b": "sw", "bandwidth": bandwidth, **link},
+                      {"a": "g1", "b": "sw", "bandwidth": "10 GB/s"}],
+            "ranks": ["g0", "g1"]}
+
+
+def write(tmp_path, data, name="topo.yaml"):
+    path = tmp_path / name
+    if isinstance(data, str):
+        path.write_text(data, encoding="utf-8")
+    elif name.endswith(".json"):
+        path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    else:
+        path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def load_error(tmp_path, data, name="topo.yaml"):
+    """Load bad data from a file; the message must name that file."""
+    path = write(tmp_path, data, name)
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    assert str(path) in str(info.value)
+    assert info.value.source == str(path)
+    return info.value
+
+
+# ---------------------------------------------------------------------------------- explicit form
+
+def test_explicit_minimal_form(tmp_path):
+    topo = Topology.load(write(tmp_path, MINI_YAML))
+    assert topo.name == "mini"
+    assert topo.source == str(tmp_path / "topo.yaml")
+    assert topo.nodes == ("sw", "h0", "h0/gpu0", "h0/gpu1")
+    assert topo.ranks == ("h0/gpu0", "h0/gpu1") and topo.nranks == 2
+    assert topo.kind("sw") == "switch" and topo.kind("h0/gpu1") == "gpu"
+    assert topo.links[0] == Link("h0/gpu0", "h0/gpu1", 25e9, 3e-6, 2, False)
+    assert topo.links[1].latency == pytest.approx(1e-6)  # the default latency
+    assert topo.capacity("h0", "sw") == topo.capacity("sw", "h0") == pytest.approx(12.5e9)
+    assert topo.capacity("h0/gpu0", "sw") == 0.0
+
+
+@pytest.mark.parametrize("text,bytes_per_s", [
+    ("1 B/s", 1), ("1 kB/s", 1e3), ("1 MB/s", 1e6), ("1 GB/s", 1e9), ("1 TB/s", 1e12),
+    ("1 KiB/s", 2**10), ("1 MiB/s", 2**20), ("1 GiB/s", 2**30), ("8 bit/s", 1), ("8 kbit/s", 1e3),
+    ("8 Mbit/s", 1e6), ("8 Gbit/s", 1e9), ("8 Tbit/s", 1e12), ("8 Gb/s", 1e9), ("8 Mb/s", 1e6)])
+def test_bandwidth_units_in_links(text, bytes_per_s):
+    topo = Topology.from_dict(pair(text))
+    assert topo.capacity("g0", "sw") == pytest.approx(bytes_per_s)
+    assert topo.links[0].bandwidth == pytest.approx(bytes_per_s)
+
+
+@pytest.mark.parametrize("text,seconds", [("5 ns", 5e-9), ("5 us", 5e-6), ("5 µs", 5e-6), ("5 ms", 5e-3),
+                                          ("5 s", 5.0)])
+def test_latency_units_in_links(text, seconds):
+    topo = Topology.from_dict(pair(latency=text))
+    assert topo.latency("g0", "sw") == pytest.approx(seconds)
+    assert topo.latency("g1", "sw") == pytest.approx(1e-6)
+
+
+def test_defaults_latency_applies_to_links_without_one():
+    data = pair(latency="7 us")
+    data["defaults"] = {"latency": "3 us"}
+    topo = Topology.from_dict(data)
+    assert topo.latency("g0", "sw") == pytest.approx(7e-6)
+    assert topo.latency("sw", "g1") == pytest.approx(3e-6)
+
+
+def test_count_multiplies_and_parallel_entries_add_up():
+    data = pair("10 GB/s", count=3, latency="4 us")
+    data["links"].append({"a": "sw", "b": "g0", "bandwidth": "5 GB/s", "latency": "2 us"})
+    topo = Topology.from_dict(data)
+    assert topo.capacity("g0", "sw") == pytest.approx(35e9)
+    assert topo.capacity("sw", "g0") == pytest.approx(35e9)
+    assert topo.latency("g0", "sw") == pytest.approx(2e-6)  # the fastest parallel link
+
+
+def test_directed_links_carry_one_direction():
+    data = pair()
+    data["links"] = [{"a": "g0", "b": "g1", "bandwidth": "10 GB/s", "directed": True},
+                     {"a": "g1", "b": "g0", "bandwidth": "4 GB/s", "directed": True}]
+    topo = Topology.from_dict(data)
+    assert topo.capacity("g0", "g1") == pytest.approx(10e9)
+    assert topo.capacity("g1", "g0") == pytest.approx(4e9)
+    assert topo.graph.number_of_edges() == 2
+
+
+def test_constructor_takes_pairs_dicts_and_links():
+    topo = Topology("direct", [("sw", "switch"), {"id": "g0", "kind": "gpu", "reduce_bandwidth": "9 GB/s"},
+                               ("g1", "gpu")],
+                    [Link("g0", "sw", 10e9), {"a": "g1", "b": "sw", "bandwidth": "10 GB/s"}],
+                    ["g0", "g1"], defaults={"latency": "2 us"})
+    assert topo.links[0] == Link("g0", "sw", 10e9, 2e-6, 1, False)
+    assert topo.reduce_bandwidth(0) == pytest.approx(9e9)
+    assert topo == Topology.from_dict(topo.to_dict())
+
+
+# ------------------------------------------------------------------------------------ repetition
+
+def test_for_expands_in_order_first_variable_slowest():
+    data = {"name": "rep",
+            "nodes": [{"id": "sw", "kind": "switch"},
+                      {"id": "h{i}/gpu{j}", "kind": "gpu", "for": {"i": 2, "j": [0, 2, 5]}}],
+            "links": [{"a": "h{i}/gpu{j}", "b": "sw", "bandwidth": "{bw} GB/s",
+                       "for": {"i": 2, "j": [0, 2, 5], "bw": [7]}}],
+            "ranks": [{"id": "h{i}/gpu{j}", "for": {"j": [5, 0], "i": 2}}]}
+    topo = Topology.from_dict(data)
+    assert topo.nodes == ("sw", "h0/gpu0", "h0/gpu2", "h0/gpu5", "h1/gpu0", "h1/gpu2", "h1/gpu5")
+    assert len(topo.links) == 6 and all(link.bandwidth == 7e9 for link in topo.links)
+    assert topo.ranks == ("h0/gpu5", "h1/gpu5", "h0/gpu0", "h1/gpu0")
+
+
+def test_for_templates_index_into_list_values():
+    data = {"name": "pairs",
+            "nodes": [{"id": "g{i}", "kind": "gpu", "for": {"i": 4}}],
+            "links": [{"a": "g{p[0]}", "b": "g{p[1]}", "bandwidth": "25 GB/s",
+                       "for": {"p": [[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]]}}],
+            "ranks": ["g0", {"id": "g{i}", "for": {"i": [1, 2, 3]}}]}
+    topo = Topology.from_dict(data)
+    assert [(link.a, link.b) for link in topo.links][:3] == [("g0", "g1"), ("g0", "g2"), ("g0", "g3")]
+    assert topo.ranks == ("g0", "g1", "g2", "g3")
+    assert topo.capacity("g3", "g2") == pytest.approx(25e9)
+
+
+def test_shipped_style_for_file_loads(tmp_path):
+    text = textwrap.dedent("""\
+        name: cube
+        defaults: {latency: 1 us}
+        nodes:
+          - {id: box, kind: host}
+          - {id: "box/gpu{g}", kind: gpu, for: {g: 4}}
+          - {id: box/pcie, kind: pcie}
+        links:
+          - {a: "box/gpu{p[0]}", b: "box/gpu{p[1]}", bandwidth: 25 GB/s, count: 2,
+             for: {p: [[0, 1], [2, 3]]}}
+          - {a: "box/gpu{g}", b: box/pcie, bandwidth: 12 GB/s, for: {g: 4}}
+        ranks:
+          - {id: "box/gpu{g}", for: {g: 4}}
+        """)
+    topo = Topology.load(write(tmp_path, text))
+    assert topo.capacity("box/gpu2", "box/gpu3") == pytest.approx(50e9)
+    assert topo.hosts == {"box": (0, 1, 2, 3)}
+
+
+# -------------------------------------------------------------------------------- hierarchy form
+
+def test_hierarchy_three_tiers():
+    topo = Topology.from_dict({"name": "ibm", "tiers": [
+        {"name": "gpu", "count": 4, "bandwidth": "150 GB/s", "latency": "1 us"},
+        {"name": "host", "count": 16, "bandwidth": "100 Gbit/s"},
+        {"name": "rack", "count": 3, "bandwidth": "400 Gbit/s", "latency": "5 us"}]})
+    assert topo.nranks == 192
+    assert len(topo.nodes) == 1 + 3 + 48 + 192
+    assert topo.ranks[:5] == ("r0/h0/gpu0", "r0/h0/gpu1", "r0/h0/gpu2", "r0/h0/gpu3", "r0/h1/gpu0")
+    assert topo.ranks[-1] == "r2/h15/gpu3"
+    assert topo.kind("spine") == "switch" and topo.kind("r1") == "switch"
+    assert topo.kind("r1/h3") == "host" and topo.kind("r1/h3/gpu2") == "gpu"
+    assert topo.capacity("r1/h3/gpu2", "r1/h3") == pytest.approx(150e9)
+    assert topo.capacity("r1/h3", "r1") == pytest.approx(12.5e9)
+    assert topo.capacity("spine", "r2") == pytest.approx(50e9)
+    assert topo.latency("r2", "spine") == pytest.approx(5e-6)
+    assert topo.latency("r1/h3", "r1") == pytest.approx(1e-6)
+    assert len(topo.links) == 3 + 48 + 192
+    assert len(topo.hosts) == 48 and topo.hosts["r1/h0"] == (64, 65, 66, 67)
+    assert topo.host_of(191) == "r2/h15"
+    assert [(t.bandwidth, len(t.groups)) for t in topo.tiers] == [(150e9, 48), (12.5e9, 1)]
+
+
+def test_hierarchy_two_tiers_with_kind_and_ranks():
+    topo = Topology.from_dict({"name": "flat", "defaults": {"latency": "2 us"}, "tiers": [
+        {"count": 2, "bandwidth": "20 GB/s", "kind": "cpu"}, {"count": 3, "bandwidth": "1 GB/s"}],
+        "ranks": [{"id": "h{h}/gpu0", "for": {"h": 3}}]})
+    assert set(topo.nodes) == {"spine", "h0", "h1", "h2", "h0/gpu0", "h0/gpu1", "h1/gpu0", "h1/gpu1",
+                               "h2/gpu0", "h2/gpu1"}
+    assert topo.kind("h2/gpu1") == "cpu" and topo.kind("h2") == "host"
+    assert topo.ranks == ("h0/gpu0", "h1/gpu0", "h2/gpu0")
+    assert topo.capacity("h1", "spine") == pytest.approx(1e9)
+    assert topo.latency("h1", "spine") == pytest.approx(2e-6)
+    assert topo.hosts == {"h0": (0,), "h1": (1,), "h2": (2,)}
+    assert topo.tiers[-1].groups == ((0, 1, 2),)
+
+
+def test_hierarchy_to_dict_is_explicit_and_equal():
+    topo = Topology.from_dict({"name": "t", "tiers": [{"count": 2, "bandwidth": "20 GB/s"},
+                                                      {"count": 2, "bandwidth": "1 GB/s"}]})
+    data = topo.to_dict()
+    assert "tiers" not in data and len(data["nodes"]) == 7
+    assert Topology.from_dict(data) == topo
+
+
+# --------------------------------------------------------------------------- JSON and round trips
+
+def test_json_equals_yaml(tmp_path):
+    from_yaml = Topology.load(write(tmp_path, MINI_YAML))
+    from_json = Topology.load(write(tmp_path, mini(), "topo.json"))
+    assert from_json == from_yaml
+    assert from_json.fingerprint == from_yaml.fingerprint
+    assert from_json.source.endswith("topo.json")
+
+
+@pytest.mark.parametrize("name", ["out.yaml", "out.json"])
+def test_dump_load_round_trip(tmp_path, name):
+    data = mini()
+    data["defaults"] = {"reduce_bandwidth": "20 GB/s", "latency": "2 us"}
+    data["nodes"][2]["reduce_bandwidth"] = "1 TB/s"
+    data["nodes"][3]["host"] = "h0"
+    data["links"].append({"a": "sw", "b": "h0", "bandwidth": 1e9 / 3, "latency": 1.2345e-7, "directed": True})
+    topo = Topology.from_dict(data)
+    path = tmp_path / name
+    topo.dump(path)
+    back = Topology.load(path)
+    assert back == topo and hash(back) == hash(topo)
+    assert back.fingerprint == topo.fingerprint
+    assert back.to_dict() == topo.to_dict()
+    assert back.links[-1].bandwidth == topo.links[-1].bandwidth == pytest.approx(1e9 / 3, rel=1e-11)
+    last = topo.to_dict()["links"][-1]  # values are kept to 12 significant digits
+    assert (last["bandwidth"], last["latency"], last["directed"]) == ("333.333333333 MB/s", "123.45 ns", True)
+    assert back.reduce_bandwidth(0) == 1e12 and back.reduce_bandwidth(1) == 20e9
+    if name.endswith(".json"):
+        assert json.loads(path.read_text())["name"] == "mini"
+    else:
+        assert "25 GB/s" in path.read_text()
+
+
+def test_to_dict_uses_readable_units():
+    data = Topology.from_dict(mini()).to_dict()
+    assert data["links"][0] == {"a": "h0/gpu0", "b": "h0/gpu1", "bandwidth": "25 GB/s", "latency": "3 us",
+                                "count": 2}
+    assert data["links"][3]["bandwidth"] == "12.5 GB/s"
+
+
+def test_spelling_does_not_change_the_fingerprint():
+    a = Topology.from_dict(pair("100 Gbit/s"))
+    b = Topology.from_dict(pair("12.5 GB/s", latency="1000 ns"))
+    assert a == b and a.fingerprint == b.fingerprint
+    assert a != Topology.from_dict(pair("12 GB/s"))
+
+
+def shipped_files():
+    return sorted((REPO / "topologies").glob("*.yaml")) + sorted((REPO / "topologies").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", shipped_files(), ids=lambda p: p.name)
+def test_shipped_topologies_load_and_round_trip(path, tmp_path):
+    topo = Topology.load(path)
+    assert topo.nranks >= 1
+    topo.dump(tmp_path / "again.yaml")
+    assert Topology.load(tmp_path / "again.yaml") == topo
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+def test_yaml_syntax_error_gives_line(tmp_path):
+    err = load_error(tmp_path, MINI_YAML.replace("{id: h0, kind: host}", "{id: h0, kind: host"))
+    assert "YAML syntax error at line 5" in str(err)  # where the parser finds the missing brace
+    assert "indentation" in str(err)
+    err = load_error(tmp_path, MINI_YAML.replace("name: mini", "name: mini: x"))
+    assert "YAML syntax error at line 1, column 11" in str(err)
+
+
+def test_json_syntax_error_gives_line(tmp_path):
+    err = load_error(tmp_path, '{"name": "x",\n "nodes": [}\n', "bad.json")
+    assert "JSON syntax error at line 2" in str(err)
+
+
+def test_duplicate_yaml_key(tmp_path):
+    err = load_error(tmp_path, MINI_YAML.replace("{id: sw, kind: switch}", "{id: sw, kind: switch, id: s}"))
+    assert "'id' is given twice" in str(err) and "line 3" in str(err)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_empty_file(tmp_path, text):
+    err = load_error(tmp_path, text)
+    assert "empty" in str(err) and "nodes, links and ranks" in str(err)
+
+
+def test_missing_file_is_a_topology_error(tmp_path):
+    with pytest.raises(TopologyError, match="no such file") as info:
+        Topology.load(tmp_path / "nothere.yaml")
+    assert "nothere.yaml" in str(info.value)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    err = load_error(tmp_path, "- a\n- b\n")
+    assert "top level must be a mapping" in str(err)
+
+
+def test_missing_section(tmp_path):
+    data = mini()
+    del data["links"]
+    err = load_error(tmp_path, data)
+    assert "missing section links" in str(err) and "name, nodes, links and ranks" in str(err)
+
+
+def test_missing_name(tmp_path):
+    data = mini()
+    del data["name"]
+    err = load_error(tmp_path, data)
+    assert err.entry == "name" and "missing key 'name'" in str(err)
+
+
+@pytest.mark.parametrize("section,value", [("nodes", {"sw": "switch"}), ("links", "none"), ("ranks", 3)])
+def test_section_of_wrong_type(tmp_path, section, value):
+    data = mini()
+    data[section] = value
+    err = load_error(tmp_path, data)
+    assert err.entry == section and f"{section} must be a list (e.g." in str(err)
+
+
+def test_unknown_node_in_link_suggests_close_ids(tmp_path):
+    data = mini()
+    data["links"][2]["a"] = "h0/gpu2"
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[2]"
+    assert "link end a 'h0/gpu2' names no node" in str(err)
+    assert "did you mean 'h0/gpu1' or 'h0/gpu0'" in str(err) and "add it to nodes" in str(err)
+
+
+def test_error_in_expanded_entry_names_the_repetition(tmp_path):
+    data = mini()
+    data["links"].append({"a": "h0/gpu{i}", "b": "sw", "bandwidth": "1 GB/s", "for": {"i": 3}})
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[4] (i=2)"
+    assert "links[4] (i=2): link end a 'h0/gpu2' names no node" in str(err)
+
+
+def test_duplicate_node_id(tmp_path):
+    data = mini()
+    data["nodes"].append({"id": "h0", "kind": "switch"})
+    err = load_error(tmp_path, data)
+    assert err.entry == "nodes[4]" and "already defined by nodes[1]" in str(err) and "unique" in str(err)
+
+
+def test_unknown_kind(tmp_path):
+    data = mini()
+    data["nodes"][0]["kind"] = "swtich"
+    err = load_error(tmp_path, data)
+    assert err.entry == "nodes[0]" and "did you mean 'switch'" in str(err)
+
+
+def test_self_loop(tmp_path):
+    data = mini()
+    data["links"][3]["b"] = "h0"
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[3]" and "connects 'h0' to itself" in str(err) and "fix a or b" in str(err)
+
+
+@pytest.mark.parametrize("bandwidth", ["0 GB/s", "-5 GB/s", 0, -1.0])
+def test_non_positive_bandwidth(tmp_path, bandwidth):
+    data = mini()
+    data["links"][1]["bandwidth"] = bandwidth
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[1]" and "must be positive" in str(err) and "e.g. '25 GB/s'" in str(err)
+
+
+@pytest.mark.parametrize("bandwidth", ["fast", "25 GX/s", "25 GB", None, True])
+def test_unparseable_bandwidth_or_unknown_unit(tmp_path, bandwidth):
+    data = mini()
+    data["links"][1]["bandwidth"] = bandwidth
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[1]" and "cannot read bandwidth" in str(err) and "Gbit/s" in str(err)
+
+
+def test_missing_bandwidth(tmp_path):
+    data = mini()
+    del data["links"][1]["bandwidth"]
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[1]" and "missing key 'bandwidth'" in str(err)
+
+
+@pytest.mark.parametrize("latency", ["soon", "1 GB/s", "-1 us"])
+def test_bad_latency(tmp_path, latency):
+    data = mini()
+    data["links"][0]["latency"] = latency
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[0]" and "latency" in str(err) and "'2 us'" in str(err)
+
+
+@pytest.mark.parametrize("count", [0, -2, 1.5, "two", True])
+def test_bad_count(tmp_path, count):
+    data = mini()
+    data["links"][0]["count"] = count
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[0]" and "count must be a whole number >= 1" in str(err)
+
+
+def test_directed_must_be_boolean(tmp_path):
+    err = load_error(tmp_path, pair(directed="yes please"))
+    assert err.entry == "links[0]" and "true or false" in str(err)
+
+
+@pytest.mark.parametrize("section,index,key,suggestion", [
+    ("links", 1, "bandwith", "bandwidth"), ("links", 0, "lat", "latency"), ("nodes", 2, "knd", "kind")])
+def test_unknown_key_suggests_closest(tmp_path, section, index, key, suggestion):
+    data = mini()
+    data[section][index][key] = "x"
+    err = load_error(tmp_path, data)
+    assert err.entry == f"{section}[{index}]"
+    assert f"unknown key {key!r} (did you mean {suggestion!r}?)" in str(err)
+
+
+def test_unknown_top_level_key(tmp_path):
+    data = mini()
+    data["rank"] = []
+    err = load_error(tmp_path, data)
+    assert "unknown key 'rank' (did you mean 'ranks'" in str(err)
+
+
+def test_rank_listed_twice(tmp_path):
+    data = mini()
+    data["ranks"].append("h0/gpu0")
+    err = load_error(tmp_path, data)
+    assert err.entry == "ranks[2]" and "already rank 0" in str(err) and "once" in str(err)
+
+
+def test_rank_naming_no_node(tmp_path):
+    data = mini()
+    data["ranks"][1] = "h0/gpu7"
+    err = load_error(tmp_path, data)
+    assert err.entry == "ranks[1]" and "'h0/gpu7' names no node" in str(err) and "did you mean" in str(err)
+
+
+def test_empty_ranks(tmp_path):
+    data = mini()
+    data["ranks"] = []
+    err = load_error(tmp_path, data)
+    assert "ranks is empty" in str(err)
+
+
+def test_unreachable_ranks_name_a_pair(tmp_path):
+    data = mini()
+    data["nodes"].append({"id": "lonely", "kind": "gpu"})
+    data["ranks"].append("lonely")
+    err = load_error(tmp_path, data)
+    assert err.entry == "ranks"
+    assert "rank 0 (h0/gpu0) cannot reach rank 2 (lonely)" in str(err) and "add a link" in str(err)
+
+
+def test_ranks_cannot_relay_through_a_gpu(tmp_path):
+    # g0 - g1 - g2 in a line of NVLinks, no switch: g0 and g2 could only talk through g1
+    data = {"name": "line", "nodes": [{"id": "g{i}", "kind": "gpu", "for": {"i": 3}}],
+            "links": [{"a": "g0", "b": "g1", "bandwidth": "1 GB/s"}, {"a": "g1", "b": "g2", "bandwidth": "1 GB/s"}],
+            "ranks": ["g0", "g1", "g2"]}
+    err = load_error(tmp_path, data)
+    assert "rank 0 (g0) cannot reach rank 2 (g2)" in str(err)
+    assert Topology.from_dict({**data, "ranks": ["g0", "g1"]}).nranks == 2
+
+
+def test_one_way_only_is_unreachable(tmp_path):
+    data = pair()
+    data["links"][1]["directed"] = True  # g1 -> sw only
+    err = load_error(tmp_path, data)
+    assert "rank 0 (g0) cannot reach rank 1 (g1)" in str(err)
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ({"i": -1}, "not a count >= 1"), ({"i": []}, "not a count >= 1"), ({"i": "4"}, "not a count >= 1"),
+    ([4], "non-empty mapping"), ({}, "non-empty mapping"), ({"1x": 2}, "not a valid name")])
+def test_bad_for_values(tmp_path, spec, fragment):
+    data = mini()
+    data["nodes"].append({"id": "x{i}", "kind": "gpu", "for": spec})
+    err = load_error(tmp_path, data)
+    assert err.entry == "nodes[4]" and fragment in str(err) and "for: {i: 4, j: [0, 2]}" in str(err)
+
+
+def test_for_template_with_unknown_variable(tmp_path):
+    data = mini()
+    data["nodes"].append({"id": "x{k}", "kind": "gpu", "for": {"i": 2}})
+    err = load_error(tmp_path, data)
+    assert err.entry == "nodes[4]" and "uses {k}, which is not a for: variable (have i)" in str(err)
+
+
+def test_defaults_unknown_key(tmp_path):
+    data = mini()
+    data["defaults"] = {"latncy": "1 us"}
+    err = load_error(tmp_path, data)
+    assert err.entry == "defaults" and "did you mean 'latency'" in str(err)
+
+
+def tiered(*tiers):
+    return {"name": "t", "tiers": list(tiers)}
+
+
+@pytest.mark.parametrize("data,entry,fragment", [
+    (tiered({"count": 4, "bandwidth": "1 GB/s"}), "tiers", "2 or 3 tiers"),
+    ({"name": "t", "tiers": {"gpu": 4}}, "tiers", "2 or 3 tiers"),
+    (tiered({"count": 4, "bandwidth": "1 GB/s"}, {"count": 0, "bandwidth": "1 GB/s"}), "tiers[1]",
+     "count must be a whole number >= 1"),
+    (tiered({"count": 4, "bandwidth": "1 GB/s"}, {"count": 2}), "tiers[1]", "missing key 'bandwidth'"),
+    (tiered({"count": 4, "bandwidth": "1 GB/s"}, {"count": 2, "bandwith": "1 GB/s"}), "tiers[1]",
+     "did you mean 'bandwidth'"),
+    (tiered({"count": 4, "bandwidth": "0 GB/s"}, {"count": 2, "bandwidth": "1 GB/s"}), "tiers[0]",
+     "must be positive"),
+    (tiered({"count": 4, "bandwidth": "1 GB/s"}, {"count": 2, "bandwidth": "1 GB/s", "kind": "cpu"}),
+     "tiers[1]", "only to the first"),
+    (tiered("gpu", {"count": 2, "bandwidth": "1 GB/s"}), "tiers[0]", "a tier is a mapping"),
+    ({**tiered({"count": 1, "bandwidth": "1 GB/s"}, {"count": 2, "bandwidth": "1 GB/s"}), "nodes": []},
+     "tiers", "replaces nodes and links"),
+])
+def test_bad_tiers(tmp_path, data, entry, fragment):
+    err = load_error(tmp_path, data)
+    assert err.entry == entry and fragment in str(err)
+
+
+def test_from_dict_errors_name_dict_source():
+    with pytest.raises(TopologyError, match=r"^<dict>: links\[0\]: ") as info:
+        Topology.from_dict(pair("slow"))
+    assert info.value.source == "<dict>"
+    with pytest.raises(TopologyError, match=r"^cfg: links\[0\]: "):
+        Topology.from_dict(pair("slow"), source="cfg")
+
+
+def test_input_dict_is_not_modified():
+    data = {"name": "t", "nodes": [{"id": "g{i}", "kind": "gpu", "for": {"i": 2}}, {"id": "s", "kind": "switch"}],
+            "links": [{"a": "g{i}", "b": "s", "bandwidth": "1 GB/s", "for": {"i": 2}}], "ranks": ["g0", "g1"]}
+    before = copy.deepcopy(data)
+    Topology.from_dict(data)
+    assert data == before
