@@ -1,0 +1,130 @@
+"""``ddl topo validate | show | draw`` through the real command line (a subprocess each)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ZOO = ROOT / "topologies"
+
+
+def ddl(*args, cwd=ROOT):
+    proc = subprocess.run([sys.executable, "-m", "ddl", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=240)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    return proc
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    files = {
+        "unknown-node.yaml": "name: x\nnodes: [{id: a, kind: gpu}]\n"
+                             "links: [{a: a, b: zz, bandwidth: 1 GB/s}]\nranks: [a]\n",
+        "syntax.yaml": "name: [unclosed\n",
+        "bad-unit.yaml": "name: x\nnodes: [{id: a, kind: gpu}, {id: b, kind: gpu}]\n"
+                         "links: [{a: a, b: b, bandwidth: fast}]\nranks: [a, b]\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return [tmp_path / name for name in files]
+
+
+def test_validate_whole_zoo_ok():
+    files = sorted(ZOO.glob("*.yaml"))
+    proc = ddl("topo", "validate", *files)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(files)
+    assert f"{ZOO / 'dgx1-v100.yaml'}: ok (8 ranks, 1 host)" in lines
+    assert f"{ZOO / 'ibm-3tier-192.yaml'}: ok (192 ranks, 48 hosts)" in lines
+    assert proc.stderr == ""
+
+
+def test_validate_reports_each_bad_file_on_one_line(bad_files, tmp_path):
+    missing = tmp_path / "missing.yaml"
+    good = ZOO / "emulated-2rack.yaml"
+    proc = ddl("topo", "validate", good, *bad_files, missing)
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines() == [f"{good}: ok (8 ranks, 4 hosts)"]
+    errors = proc.stderr.splitlines()
+    assert len(errors) == len(bad_files) + 1
+    for path, line in zip(bad_files + [missing], errors):
+        assert line.startswith(str(path))
+    assert "zz" in errors[0]          # names the bad link end
+    assert "fast" in errors[2]        # names the bad bandwidth
+
+
+def test_validate_only_good_files_after_bad_ones_still_checked(bad_files):
+    proc = ddl("topo", "validate", bad_files[0], ZOO / "dgx-a100.yaml")
+    assert proc.returncode == 2
+    assert "ok (8 ranks, 1 host)" in proc.stdout
+
+
+def test_show_prints_hosts_tiers_links_and_cut():
+    proc = ddl("topo", "show", ZOO / "emulated-2rack.yaml")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "emulated-2rack" in out
+    assert "ranks: 8" in out and "hosts: 4" in out and "h3: ranks 6-7" in out
+    assert "tiers" in out
+    tier_lines = [l for l in out.splitlines() if l.strip()[:2] in ("0:", "1:", "2:")]
+    assert len(tier_lines) == 3
+    assert "5 GB/s" in tier_lines[0] and "4 groups of 2" in tier_lines[0]
+    assert "50 MB/s" in tier_lines[1] and "2 groups of 4" in tier_lines[1]
+    assert "12.5 MB/s" in tier_lines[2]
+    assert "ranks 0-7: 5 GB/s out, 5 GB/s in, 1 link" in out
+    pytest.importorskip("ddl.bounds")
+    assert "limiting cut" in out and "algbw <= 25 MB/s" in out
+
+
+def test_show_large_hierarchy_is_compact():
+    proc = ddl("topo", "show", ZOO / "ibm-3tier-192.yaml")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "48 groups of 4" in out and "3 groups of 64" in out and "1 group of 192" in out
+    assert len(out.splitlines()) < 40
+
+
+def test_show_bad_file_is_one_error_line(bad_files):
+    proc = ddl("topo", "show", bad_files[0])
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and "zz" in proc.stderr
+
+
+@pytest.mark.parametrize("stem", ["dgx1-v100", "ibm-3tier-192"])
+def test_draw_writes_png(tmp_path, stem):
+    out = tmp_path / f"{stem}.png"
+    proc = ddl("topo", "draw", ZOO / f"{stem}.yaml", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_draw_default_output_name(tmp_path):
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "emulated-flat.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_draw_errors_are_one_line(tmp_path, bad_files):
+    proc = ddl("topo", "draw", bad_files[1], "-o", tmp_path / "x.png")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "no" / "such" / "x.png")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    proc = ddl("topo", "draw", tmp_path / "missing.yaml")
+    assert proc.returncode == 2 and "missing.yaml" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [("topo",), ("topo", "validate"), ("topo", "show"), ("topo", "draw")])
+def test_help(args):
+    proc = ddl(*args, "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: ddl " + " ".join(args))
+
+
+def test_topo_without_subcommand_shows_usage():
+    proc = ddl("topo")
+    assert proc.returncode == 2
+    assert "validate" in proc.stderr
