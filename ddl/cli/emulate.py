@@ -1,0 +1,183 @@
+"""``ddl emulate``: bring a topology file to life on this machine and run MPI programs on it.
+
+* ``ddl emulate up FILE`` builds the cluster (a namespace per host, a bridge per switch, shaped veths),
+  checks the link rates, records it under /run/ddl-emulate/<name>/ and prints how to enter each host;
+* ``ddl emulate down FILE`` (or the cluster's name) ends its processes and removes it;
+* ``ddl emulate run FILE [--no-check] -- CMD...`` builds, checks, runs CMD under ``mpiexec`` with ranks
+  placed as the file's ``ranks`` say, and always tears down: on success, error, Ctrl-C or SIGTERM.
+  The exit status is CMD's.
+
+Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and MPICH (the mpich wheel). Links faster
+than this machine can push (tens of Gbit/s) cannot be emulated as such: ``--scale 0.001`` shrinks every
+bandwidth by the same factor, which keeps the topology's bottlenecks where they are.
+"""
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ..errors import Error
+from ..units import format_bandwidth
+
+
+def register(subparsers):
+    parser = subparsers.add_parser(
+        "emulate", help="emulate a topology with network namespaces and run MPI programs on it",
+        description="Emulate a cluster on this machine: hosts become network namespaces, switches "
+                    "bridges, links tc-shaped veth pairs (bandwidth only: no latency emulation). "
+                    "Needs root.")
+    sub = parser.add_subparsers(dest="emulate_command", metavar="SUBCOMMAND")
+    parser.set_defaults(func=lambda args: _usage(parser))
+
+    p = sub.add_parser("up", help="build the emulated cluster and leave it up",
+                       description="Build the cluster of FILE, check its link rates and record it "
+                                   "so that `ddl emulate down FILE` can remove it.")
+    _common(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="remove an emulated cluster",
+                       description="End the processes of the cluster built from FILE (or named NAME) "
+                                   "and remove its namespaces.")
+    p.add_argument("file", metavar="FILE", help="topology file, or the cluster's name")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("run", help="build, check, run CMD under mpiexec, tear down",
+                       description="Build the cluster of FILE, check its link rates, run CMD on every "
+                                   "rank under mpiexec (rank i on the host of ranks[i]), then tear the "
+                                   "cluster down whatever happens. Exit status: CMD's. CMD sees "
+                                   "DDL_TOPOLOGY (the file) and DDL_EMULATED_HOSTS.")
+    _common(p)
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop CMD after S seconds (default: no limit)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the MPI program")
+    p.set_defaults(func=cmd_run)
+
+
+def _common(p):
+    p.add_argument("file", metavar="FILE", help="topology file (.yaml, .yml or .json)")
+    p.add_argument("--no-check", action="store_true", help="skip the point-to-point rate self-check")
+    p.add_argument("--scale", type=float, default=1.0, metavar="F",
+                   help="multiply every bandwidth by F (e.g. 0.001 for 100 Gbit/s fabrics)")
+
+
+def _usage(parser):
+    parser.print_help()
+    return 2
+
+
+def _load(path):
+    from ..topology import Topology
+    return Topology.load(path)
+
+
+def cmd_up(args):
+    from ..emulate.netns import Cluster
+    topo = _load(args.file)
+    cluster = Cluster.create(topo, scale=args.scale)
+    try:
+        _describe(cluster, sys.stdout)
+        if not args.no_check:
+            _check(cluster, topo, sys.stdout)
+    except BaseException:
+        cluster.down()
+        raise
+    print(f"cluster {topo.name!r} is up; remove it with: ddl emulate down {args.file}")
+    return 0
+
+
+def cmd_down(args):
+    from ..emulate.netns import Cluster, check_can_emulate, state_dir_for
+    name = _cluster_name(args.file)
+    check_can_emulate()
+    state = state_dir_for(name)
+    if not (state / "state.json").exists():
+        raise Error(f"no emulated cluster {name!r} is up (nothing recorded in {state})")
+    Cluster.load(state).down()
+    print(f"cluster {name!r} is down")
+    return 0
+
+
+def _cluster_name(arg):
+    """The topology's name when ``arg`` is a readable file, else ``arg`` itself (a cluster name)."""
+    if Path(arg).is_file():
+        return _load(arg).name
+    return arg
+
+
+def cmd_run(args):
+    from ..emulate import launch
+    from ..emulate.netns import Cluster
+    cmd = _split_command(args)
+    if not cmd:
+        raise Error("nothing to run: give the command after --, e.g. "
+                    "ddl emulate run FILE -- python train.py")
+    topo = _load(args.file)
+    launch.find_mpiexec()
+    with _signals_as_interrupt():
+        cluster = Cluster.create(topo, scale=args.scale)
+        with cluster:
+            if not args.no_check:
+                _check(cluster, topo, sys.stderr)
+            env = {"DDL_TOPOLOGY": os.path.abspath(args.file)}
+            res = launch.run(cluster, cmd, launch.rank_hosts(topo), env=env, timeout=args.timeout)
+    return res.returncode
+
+
+def _split_command(args):
+    """CMD after ``--``; options written between FILE and ``--`` (argparse leaves them there) applied."""
+    words = list(args.cmd)
+    if "--" not in words:
+        return words
+    cut = words.index("--")
+    if cut:
+        late = argparse.ArgumentParser(prog="ddl emulate run", add_help=False)
+        late.add_argument("--no-check", action="store_true", default=args.no_check)
+        late.add_argument("--scale", type=float, default=args.scale)
+        late.add_argument("--timeout", type=float, default=args.timeout)
+        opts, unknown = late.parse_known_args(words[:cut])
+        if unknown:
+            raise Error(f"unknown option(s) before --: {' '.join(unknown)}")
+        vars(args).update(vars(opts))
+    return words[cut + 1:]
+
+
+def _check(cluster, topo, out):
+    from ..emulate.selfcheck import selfcheck
+    print("self-check (point-to-point rate per link class):", file=out)
+    selfcheck(cluster, topo, out=out)
+
+
+def _describe(cluster, out):
+    plan = cluster.plan
+    print(f"emulated cluster {plan.name!r} ({plan.tag}): {len(plan.hosts)} hosts, "
+          f"{len(plan.bridges)} switches, {len(plan.uplinks)} switch links", file=out)
+    for h in plan.hosts:
+        link = (f"{h.switch}, out {format_bandwidth(h.rate_out)} / in {format_bandwidth(h.rate_in)}"
+                if h.switch else "no switch")
+        print(f"  {h.id}: {h.address} hostname {h.hostname}, ranks {list(h.ranks)}, {link}", file=out)
+    for u in plan.uplinks:
+        print(f"  {u.a} -> {u.b}: {format_bandwidth(u.rate_ab)}, back {format_bandwidth(u.rate_ba)}",
+              file=out)
+    if plan.hosts:
+        enter = " ".join(cluster.host_argv(plan.hosts[0].id, ["CMD"]))
+        print(f"  run CMD on {plan.hosts[0].id}: {enter}", file=out)
+
+
+class _signals_as_interrupt:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, so teardown runs as it does for Ctrl-C."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        self.saved = {s: signal.signal(s, self._raise) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.saved.items():
+            signal.signal(s, handler)
+        return False
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,155 @@
+"""Run a command under MPICH's ``mpiexec`` on an emulated cluster, ranks placed as the topology says.
+
+How, and why:
+
+* ``mpiexec`` runs inside the first rank's host namespace; it starts one hydra proxy per emulated host
+  through an *ssh stand-in*: a script (written into the cluster's state directory) that maps a host
+  address to ``ip netns exec NS nsenter --uts=FILE -- sh -c "$*"``. Each proxy, and so each rank, thus
+  lives in its host's network and UTS namespaces, and hydra's node map makes ranks of one host (and only
+  those) shared-memory neighbours.
+* MPICH's default UCX netmod would notice that all "hosts" share one kernel and move data through
+  shared memory, bypassing the shaped links. The libfabric TCP provider on ``eth0`` keeps every
+  inter-host byte on the emulated wires (:data:`TRANSPORT_ENV`); the self-check proves it.
+* Hydra maps ranks to its host list cyclically, each host taking as many consecutive ranks as its slot
+  count. Block placements (contiguous hosts) and round-robin ones are expressed exactly that way.
+  Other placements get one proxy per run of consecutive ranks: still the right namespaces, but ranks of
+  one host in different runs then talk over loopback TCP instead of shared memory (a warning says so).
+"""
+import shlex
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from ..errors import Error
+
+TRANSPORT_ENV = {
+    "MPIR_CVAR_CH4_NETMOD": "ofi",   # not UCX: UCX finds the shared kernel and uses shared memory
+    "FI_PROVIDER": "tcp",            # libfabric's sockets over the emulated NIC; no shm provider
+    "FI_TCP_IFACE": "eth0",          # the host's only shaped interface
+}
+"""Settings that keep MPICH's inter-host traffic on the emulated links (verified by the self-check)."""
+
+SSH_STANDIN = "ns-ssh"
+
+
+def find_mpiexec():
+    """MPICH's hydra ``mpiexec``: the one installed beside this Python (the mpich wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    path = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not path:
+        raise Error("mpiexec not found: install MPICH (pip install mpich mpi4py)")
+    return path
+
+
+def rank_hosts(topo):
+    """Host id of every rank, in rank order (what the launch must reproduce)."""
+    return [topo.host_of(i) for i in range(len(topo.ranks))]
+
+
+def hydra_hostlist(plan, placement):
+    """``(hosts_argument, exact)`` reproducing ``placement`` (host id per rank) under hydra's mapping.
+
+    ``exact`` is False when some host's ranks had to be split over several proxies.
+    """
+    runs = _runs(placement)
+    period = []
+    for host, count in runs:
+        if any(h == host for h, _ in period):
+            break
+        period.append((host, count))
+    if _hydra_map(period, len(placement)) == list(placement):
+        chosen, exact = period, True
+    else:
+        chosen, exact = runs, False
+    hosts = ",".join(f"{plan.host(h).address}:{n}" for h, n in chosen)
+    return hosts, exact
+
+
+def _runs(placement):
+    """Maximal runs of consecutive ranks on one host: [(host, count), ...]."""
+    runs = []
+    for host in placement:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    return [tuple(r) for r in runs]
+
+
+def _hydra_map(hostlist, n):
+    """Hydra's rank -> host mapping: walk the list cyclically, each host taking its slot count."""
+    out = []
+    while len(out) < n:
+        for host, count in hostlist:
+            out.extend([host] * count)
+    return out[:n]
+
+
+def write_ssh_standin(cluster):
+    """Write the ssh replacement hydra uses to start a proxy "on" an emulated host; return its path."""
+    lines = ["#!/bin/sh",
+             "# ssh stand-in for hydra: run the proxy command inside an emulated host's namespaces.",
+             'while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done',
+             'host=$1; shift', 'case "$host" in']
+    for h in cluster.plan.hosts:
+        enter = " ".join(shlex.quote(a) for a in cluster.host_argv(h.id, []))
+        lines.append(f'  {h.address}|{h.hostname}) exec {enter} sh -c "$*";;')
+    lines += ['  *) echo "ns-ssh: $host is not an emulated host" >&2; exit 255;;', "esac", ""]
+    path = cluster.state_dir / SSH_STANDIN
+    path.write_text("\n".join(lines))
+    path.chmod(0o755)
+    return path
+
+
+def mpiexec_argv(cluster, argv, placement, env=None):
+    """Full argv (to run from the root namespace) that starts ``argv`` on ``len(placement)`` ranks."""
+    if not placement:
+        raise Error("nothing to launch: the topology has no ranks")
+    plan = cluster.plan
+    hosts, exact = hydra_hostlist(plan, placement)
+    if not exact:
+        warnings.warn("rank placement interleaves hosts irregularly: ranks of one host in different "
+                      "runs will use loopback TCP, not shared memory", stacklevel=3)
+    ssh = write_ssh_standin(cluster)
+    settings = {**TRANSPORT_ENV,
+                "DDL_EMULATED_CLUSTER": plan.name,
+                "DDL_EMULATED_HOSTS": ",".join(plan.host(h).hostname for h in placement),
+                **(env or {})}
+    genv = [a for k, v in settings.items() for a in ("-genv", k, str(v))]
+    first = plan.host(placement[0])
+    cmd = [find_mpiexec(), "-localhost", first.address, "-launcher", "ssh", "-launcher-exec", str(ssh),
+           "-hosts", hosts, "-n", str(len(placement)), *genv, *argv]
+    return cluster.host_argv(first.id, cmd)
+
+
+def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=None):
+    """Run ``argv`` as an MPI job on the cluster; returns the CompletedProcess.
+
+    On timeout or interrupt the job's processes are ended (by PID, through the host namespaces) before
+    the exception propagates.
+    """
+    full = mpiexec_argv(cluster, argv, placement, env)
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(full, cwd=cwd, stdout=pipe, stderr=pipe, text=capture)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise Error(f"MPI job `{' '.join(argv)}` did not finish in {timeout:.0f} s; it was stopped") from None
+    except BaseException:
+        _stop(proc)
+        raise
+    return subprocess.CompletedProcess(full, proc.returncode, out, err)
+
+
+def _stop(proc):
+    """End mpiexec (it then ends its proxies and ranks); the cluster teardown catches stragglers."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,564 @@
+"""Bring a Topology to life as Linux network namespaces, bridges, veth pairs and tbf shapers.
+
+Why this shape (see the project's emulation notes for the measurements behind it):
+
+* every emulated **host** is a network namespace *and* a UTS namespace with its own hostname, so MPI
+  sees distinct nodes and ranks of different hosts cannot use shared memory between them;
+* every **switch** is a Linux bridge (STP off, no forwarding delay) in one shared switch namespace;
+* every host<->switch and switch<->switch link is a veth pair. Each direction is shaped with
+  ``tbf`` on the device that *transmits* it (host ``eth0`` for host->switch, the switch port for
+  switch->host, each uplink end for its direction): no ifb, no ingress policing needed;
+* addresses come from 198.18.0.0/15 (benchmarking range) on one L2 segment, no routes, and nothing is
+  attached to the root namespace, so no emulated packet can leave the machine.
+
+The mapping (:func:`plan_network`) is pure and unit-testable; :class:`Cluster` executes it and tears it
+down again, recording its state on disk first so that a crashed run can still be cleaned up.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import networkx as nx
+
+from ..errors import Error
+
+STATE_ROOT = Path("/run/ddl-emulate")
+"""Where clusters record themselves (tmpfs: a reboot, which also drops every namespace, clears it)."""
+
+TBF_MIN_BURST = 64 << 10
+"""tbf bucket floor: one GSO super-packet (64 KiB); smaller buckets make the shaped rate come out wrong."""
+
+TBF_BURST_SECONDS = 1e-3
+"""Bucket of fast links: 1 ms worth of the rate. tc keeps the bucket as a time at its clock's
+resolution, so a 64 KiB bucket on a 1.6 Tbit/s link rounds to zero and would drop everything."""
+
+TBF_LATENCY = "20ms"
+"""tbf queue length expressed as delay: enough for TCP to fill the link, small enough to stay fair."""
+
+GOODPUT = 0.96
+"""TCP goodput over a tbf-shaped link, as a fraction of the tbf rate (Ethernet/IP/TCP headers)."""
+
+ADDRESS_PREFIX_LEN = 15
+NAMED_KINDS = ("host", "switch")
+COMMAND_TIMEOUT = 30.0
+"""Seconds any single ip/tc/unshare invocation may take: they finish in milliseconds when healthy."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan: pure data derived from a Topology
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One emulated host: its namespace, hostname, address and the ranks it runs."""
+    id: str
+    index: int
+    netns: str
+    hostname: str
+    address: str
+    ranks: tuple
+    switch: str = None          # switch id this host's eth0 attaches to (None: a lone host)
+    port: str = None            # name of the switch-side veth end in the switch namespace
+    rate_out: float = 0.0       # bytes/s host -> switch (tbf on eth0)
+    rate_in: float = 0.0        # bytes/s switch -> host (tbf on the switch port)
+
+
+@dataclass(frozen=True)
+class UplinkPlan:
+    """A switch<->switch link: veth ``end_a`` on bridge of ``a``, ``end_b`` on bridge of ``b``."""
+    a: str
+    b: str
+    end_a: str
+    end_b: str
+    rate_ab: float              # bytes/s a -> b (tbf on end_a, which transmits towards b)
+    rate_ba: float              # bytes/s b -> a (tbf on end_b)
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """Everything needed to build (and later find and remove) one emulated cluster."""
+    name: str
+    tag: str                    # namespace name prefix, unique per cluster: ``ddl-<pid>``
+    switch_netns: str
+    hosts: tuple                # HostPlan, in topology node order
+    bridges: dict = field(default_factory=dict)   # switch id -> bridge name
+    uplinks: tuple = ()         # UplinkPlan
+
+    def host(self, host_id):
+        for h in self.hosts:
+            if h.id == host_id:
+                return h
+        raise Error(f"cluster {self.name!r} has no host {host_id!r}")
+
+    @property
+    def namespaces(self):
+        """Every namespace of the cluster, hosts first (the order teardown kills processes in)."""
+        extra = (self.switch_netns,) if self.bridges else ()
+        return tuple(h.netns for h in self.hosts) + extra
+
+    def path_rate(self, src_host, dst_host):
+        """Shaped rate (bytes/s) of the path from one host to another: the slowest tbf on the way."""
+        if src_host == dst_host:
+            return float("inf")
+        a, b = self.host(src_host), self.host(dst_host)
+        rates = [a.rate_out, b.rate_in]
+        rates += [rate for _, _, rate in self._switch_hops(a.switch, b.switch)]
+        return min(rates)
+
+    def _switch_hops(self, sa, sb):
+        graph = nx.Graph()
+        graph.add_nodes_from(self.bridges)
+        for u in self.uplinks:
+            graph.add_edge(u.a, u.b, plan=u)
+        path = nx.shortest_path(graph, sa, sb)
+        for x, y in zip(path, path[1:]):
+            u = graph.edges[x, y]["plan"]
+            yield x, y, (u.rate_ab if (u.a, u.b) == (x, y) else u.rate_ba)
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(name=d["name"], tag=d["tag"], switch_netns=d["switch_netns"],
+                   hosts=tuple(HostPlan(**{**h, "ranks": tuple(h["ranks"])}) for h in d["hosts"]),
+                   bridges=dict(d["bridges"]), uplinks=tuple(UplinkPlan(**u) for u in d["uplinks"]))
+
+
+def host_address(index):
+    """Address of host ``index``: 198.18.0.10, .11, ... then 198.18.1.10 ... (240 per /24, never .0/.255)."""
+    block, offset = divmod(index, 240)
+    if block >= 512:
+        raise Error(f"too many hosts to emulate ({index + 1}); 198.18.0.0/15 holds {512 * 240}")
+    return f"198.{18 + block // 256}.{block % 256}.{10 + offset}"
+
+
+def sanitize_hostname(host_id, taken):
+    """A valid, unique hostname (RFC 1123 label) for a host id such as ``r0/h1`` -> ``r0-h1``."""
+    base = re.sub(r"[^A-Za-z0-9-]+", "-", str(host_id)).strip("-")[:56] or "host"
+    name, k = base, 1
+    while name.lower() in taken:
+        name, k = f"{base}-{k}", k + 1
+    taken.add(name.lower())
+    return name
+
+
+def plan_network(topo, tag, scale=1.0):
+    """Map a Topology to a :class:`NetworkPlan` (no side effects); every rate is multiplied by ``scale``.
+
+    Every ``host`` vertex becomes a namespace. A host *owns* the vertices inside it: those whose id
+    starts with ``<host>/`` (or whose ``host`` attribute names it), and whatever hangs off them or off
+    the host without passing another host or a network switch. A switch owned by a host (an NVSwitch,
+    a PCIe switch) is internal; every other switch becomes a bridge. A host attaches to the network
+    switch its vertices link to, at the max-flow rate from its ranks to that switch each way: the
+    bottleneck of a nic/pcie chain, the sum of parallel NICs. Raises :class:`ddl.Error` for what one L2
+    segment cannot carry: no hosts, a rank without a host, a host on several switches, host-to-host
+    cables, switch loops, disconnected switches.
+    """
+    if not scale > 0:
+        raise Error(f"bandwidth scale must be positive, got {scale}")
+    hosts = [v for v in topo.nodes if topo.kind(v) == "host"]
+    if not hosts:
+        raise Error(f"topology {topo.name!r} has no node of kind 'host': nothing to emulate "
+                    "(give each machine a {id: ..., kind: host} node and link its devices to it)")
+    _check_ranks_have_hosts(topo)
+    owned = _ownership(topo, hosts)
+    switches = [v for v in topo.nodes if topo.kind(v) == "switch" and v not in owned]
+    attach = {h: _attachment(topo, h, owned, set(switches)) for h in hosts}
+    _check_connected(topo, hosts, switches, attach)
+
+    bridges = {s: f"br{k}" for k, s in enumerate(switches)}
+    taken = set()
+    host_plans = []
+    for i, h in enumerate(hosts):
+        sw, out_rate, in_rate = attach[h]
+        host_plans.append(HostPlan(
+            id=h, index=i, netns=f"{tag}-h{i}", hostname=sanitize_hostname(h, taken),
+            address=host_address(i), ranks=tuple(topo.hosts.get(h, ())), switch=sw,
+            port=f"h{i}" if sw is not None else None, rate_out=out_rate * scale, rate_in=in_rate * scale))
+    uplinks = tuple(replace(u, rate_ab=u.rate_ab * scale, rate_ba=u.rate_ba * scale)
+                    for u in _uplinks(topo, switches))
+    return NetworkPlan(name=topo.name, tag=tag, switch_netns=f"{tag}-sw", hosts=tuple(host_plans),
+                       bridges=bridges, uplinks=uplinks)
+
+
+def _check_ranks_have_hosts(topo):
+    for i in range(len(topo.ranks)):
+        if topo.host_of(i) is None:
+            raise Error(f"rank {i} ({topo.ranks[i]}) belongs to no host node; emulation runs every "
+                        "rank inside a host: link it to a node of kind 'host' or give it a host attribute")
+
+
+def _named_owner(topo, v, hosts):
+    """The host a vertex names: its ``host`` attribute, else its id prefix before '/' if that is a host."""
+    attr = topo.graph.nodes[v].get("host") if v in topo.graph else None
+    if attr in hosts:
+        return attr
+    prefix = str(v).split("/", 1)[0]
+    return prefix if prefix != v and prefix in hosts else None
+
+
+def _ownership(topo, hosts):
+    """``{vertex: host}`` for every vertex inside some host (hosts map to themselves)."""
+    host_set = set(hosts)
+    owner = {h: h for h in hosts}
+    for v in topo.nodes:
+        named = _named_owner(topo, v, host_set)
+        if named is not None:
+            owner[v] = named
+    for i in range(len(topo.ranks)):
+        owner.setdefault(topo.ranks[i], topo.host_of(i))
+    # Un-named devices (cpu, nic, ...) hanging off a host's vertices belong to that host.
+    g = topo.graph
+    todo = list(owner)
+    while todo:
+        v = todo.pop()
+        for w in set(g.successors(v)) | set(g.predecessors(v)):
+            if w not in owner and topo.kind(w) not in NAMED_KINDS:
+                owner[w] = owner[v]
+                todo.append(w)
+    return owner
+
+
+def _neighbours(graph, v):
+    return set(graph.successors(v)) | set(graph.predecessors(v))
+
+
+def _attachment(topo, host, owner, network_switches):
+    """(switch, rate host->switch, rate switch->host) for one host; (None, 0, 0) for a lone host."""
+    g = topo.graph
+    own = {v for v, h in owner.items() if h == host}
+    touched = {w for v in own for w in _neighbours(g, v)} - own
+    others = sorted({owner[w] for w in touched if w in owner})
+    if others:
+        raise Error(f"host {host!r} is linked to host {others[0]!r} without a switch; the emulator joins "
+                    "hosts only through switches: put a node of kind 'switch' between them")
+    switches = sorted(w for w in touched if w in network_switches)
+    if len(switches) > 1:
+        raise Error(f"host {host!r} reaches {len(switches)} switches ({', '.join(switches)}); the "
+                    "emulator gives each host one NIC on one switch")
+    if not switches:
+        return None, 0.0, 0.0
+    sw = switches[0]
+    sources = [topo.ranks[i] for i in topo.hosts.get(host, ())] or [host]
+    out_rate, in_rate = _max_flow(g, own, sources, sw)
+    if out_rate <= 0 or in_rate <= 0:
+        raise Error(f"host {host!r} has no bandwidth {'to' if out_rate <= 0 else 'from'} switch {sw!r} "
+                    "through its own devices; TCP needs both directions")
+    return sw, out_rate, in_rate
+
+
+def _max_flow(graph, own, sources, switch):
+    """Max-flow (bytes/s) from the host's ranks to ``switch`` and back, within the host's own vertices."""
+    sub = nx.DiGraph(graph.subgraph(own | {switch}))
+    hub = ("ddl-emulate", "ranks")            # a vertex no topology can name
+    for v in sources:
+        sub.add_edge(hub, v)                   # no capacity attribute: infinite
+        sub.add_edge(v, hub)
+    out_rate = nx.maximum_flow_value(sub, hub, switch, capacity="capacity")
+    in_rate = nx.maximum_flow_value(sub, switch, hub, capacity="capacity")
+    return float(out_rate), float(in_rate)
+
+
+def _check_connected(topo, hosts, switches, attach):
+    lone = [h for h in hosts if attach[h][0] is None]
+    if lone and len(hosts) > 1:
+        raise Error(f"host {lone[0]!r} is not linked to any switch, so the other hosts cannot reach it")
+    net = nx.Graph()
+    net.add_nodes_from(switches)
+    net.add_edges_from((a, b) for a, b in topo.graph.edges
+                       if a != b and topo.kind(a) == "switch" and topo.kind(b) == "switch")
+    if net.number_of_nodes() and not nx.is_forest(net):
+        raise Error(f"the switches of {topo.name!r} form a loop ({_cycle_text(net)}); bridges without "
+                    "spanning tree would flood it: emulate a tree of switches")
+    used = {attach[h][0] for h in hosts} - {None}
+    components = [c for c in nx.connected_components(net) if c & used]
+    if len(components) > 1:
+        raise Error(f"the switches of {topo.name!r} form {len(components)} separate networks; "
+                    "link them so every host can reach every other")
+
+
+def _cycle_text(graph):
+    return " - ".join(str(a) for a, _ in nx.find_cycle(graph))
+
+
+def _uplinks(topo, switches):
+    """One veth pair per adjacent pair of switches, shaped each way to the summed link capacity."""
+    g = topo.graph
+    pairs = [(a, b) for i, a in enumerate(switches) for b in switches[i + 1:]
+             if g.has_edge(a, b) or g.has_edge(b, a)]
+    for n, (a, b) in enumerate(pairs):
+        rate_ab, rate_ba = topo_capacity(g, a, b), topo_capacity(g, b, a)
+        if rate_ab <= 0 or rate_ba <= 0:
+            raise Error(f"switch link {a!r} - {b!r} carries traffic one way only; TCP needs both")
+        yield UplinkPlan(a=a, b=b, end_a=f"u{n}a", end_b=f"u{n}b", rate_ab=rate_ab, rate_ba=rate_ba)
+
+
+def topo_capacity(graph, u, v):
+    return float(graph.edges[u, v].get("capacity", 0.0)) if graph.has_edge(u, v) else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Preconditions
+# ----------------------------------------------------------------------------------------------------
+
+REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "umount")
+
+
+def check_can_emulate(tools=REQUIRED_TOOLS):
+    """Raise :class:`ddl.Error` saying what is missing when this process cannot build namespaces."""
+    if os.geteuid() != 0:
+        raise Error("emulation needs root (it creates network namespaces, veths and tc qdiscs); "
+                    "run it with sudo or as root")
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        raise Error(f"emulation needs {', '.join(missing)} on PATH (packages iproute2, util-linux)")
+
+
+def new_tag():
+    """A namespace prefix no live namespace uses: ``ddl-<pid>``, suffixed if a stale one exists."""
+    existing = set(list_namespaces())
+    base, k = f"ddl-{os.getpid()}", 0
+    tag = base
+    while any(ns.startswith(tag + "-") for ns in existing):
+        k += 1
+        tag = f"{base}x{k}"
+    return tag
+
+
+def list_namespaces():
+    """Names of the network namespaces ``ip netns`` knows."""
+    out = _sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cluster: executing a plan
+# ----------------------------------------------------------------------------------------------------
+
+def state_dir_for(name):
+    """Directory where cluster ``name`` records itself (name sanitized to one path component)."""
+    return STATE_ROOT / (re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip(".") or "cluster")
+
+
+class Cluster:
+    """A built (or being built) emulated cluster; a context manager that always tears down.
+
+    ``Cluster.create(topo)`` plans and builds; ``Cluster.load(name)`` finds one built earlier (e.g. by
+    ``ddl emulate up``) from its state file. ``down()`` is idempotent and tolerates half-built clusters.
+    """
+
+    def __init__(self, plan, state_dir):
+        self.plan = plan
+        self.state_dir = Path(state_dir)
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, topo, state_dir=None, scale=1.0):
+        """Plan (refusing topologies it cannot emulate before touching the system), then build."""
+        plan_network(topo, "ddl", scale)
+        check_can_emulate()
+        state_dir = Path(state_dir) if state_dir else state_dir_for(topo.name)
+        refuse_if_up(state_dir, topo.name)
+        cluster = cls(plan_network(topo, new_tag(), scale), state_dir)
+        try:
+            cluster._save()
+            cluster._build()
+        except BaseException:
+            cluster.down()
+            raise
+        return cluster
+
+    @classmethod
+    def load(cls, state_dir):
+        path = Path(state_dir) / "state.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise Error(f"no emulated cluster recorded in {state_dir} (is it up?)") from None
+        return cls(NetworkPlan.from_dict(data["plan"]), state_dir)
+
+    def _save(self):
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "uts").mkdir(exist_ok=True)
+        tmp = self.state_dir / "state.json.tmp"
+        tmp.write_text(json.dumps({"plan": self.plan.to_dict(), "pid": os.getpid()}, indent=1))
+        tmp.replace(self.state_dir / "state.json")
+
+    def _build(self):
+        p = self.plan
+        if p.bridges:
+            self._add_switch_namespace()
+        for h in p.hosts:
+            self._add_host(h)
+        for u in p.uplinks:
+            self._add_uplink(u)
+
+    def _add_switch_namespace(self):
+        ns = self.plan.switch_netns
+        _sh(["ip", "netns", "add", ns])
+        _ip(ns, "link", "set", "lo", "up")
+        for br in self.plan.bridges.values():
+            _ip(ns, "link", "add", br, "type", "bridge", "stp_state", "0", "forward_delay", "0")
+            _ip(ns, "link", "set", br, "up")
+
+    def _add_host(self, h):
+        _sh(["ip", "netns", "add", h.netns])
+        self._add_uts(h)
+        _ip(h.netns, "link", "set", "lo", "up")
+        if h.switch is None:
+            # A lone host still gets an eth0 so MPI's TCP transport has its usual interface; a veth
+            # whose peer stays in the namespace (kernels without the dummy driver have veth).
+            _ip(h.netns, "link", "add", "eth0", "type", "veth", "peer", "name", "stub0")
+            _ip(h.netns, "link", "set", "stub0", "up")
+        else:
+            sw = self.plan.switch_netns
+            _ip(sw, "link", "add", h.port, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+            _ip(sw, "link", "set", h.port, "master", self.plan.bridges[h.switch])
+            _shape(sw, h.port, h.rate_in)
+            _shape(h.netns, "eth0", h.rate_out)
+            _ip(sw, "link", "set", h.port, "up")
+        _ip(h.netns, "addr", "add", f"{h.address}/{ADDRESS_PREFIX_LEN}", "dev", "eth0")
+        _ip(h.netns, "link", "set", "eth0", "up")
+
+    def _add_uts(self, h):
+        """A persistent UTS namespace bound to a file, so every process of the host sees its hostname."""
+        path = self.uts_file(h)
+        path.touch()
+        _sh(["unshare", f"--uts={path}", "hostname", h.hostname])
+
+    def _add_uplink(self, u):
+        ns = self.plan.switch_netns
+        _ip(ns, "link", "add", u.end_a, "type", "veth", "peer", "name", u.end_b)
+        for end, switch, rate in ((u.end_a, u.a, u.rate_ab), (u.end_b, u.b, u.rate_ba)):
+            _ip(ns, "link", "set", end, "master", self.plan.bridges[switch])
+            _shape(ns, end, rate)
+            _ip(ns, "link", "set", end, "up")
+
+    # -- use --------------------------------------------------------------------------------------
+    def uts_file(self, h):
+        return self.state_dir / "uts" / h.hostname
+
+    def host_argv(self, host_id, argv):
+        """argv that runs ``argv`` on an emulated host (its network and UTS namespaces)."""
+        h = self.plan.host(host_id)
+        return ["ip", "netns", "exec", h.netns, "nsenter", f"--uts={self.uts_file(h)}", "--", *argv]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.down()
+        return False
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def down(self):
+        """End the processes inside the cluster's namespaces, delete them, unmount UTS files, forget state.
+
+        Every namespace carries the cluster's unique tag, so every process inside one was started by
+        this cluster's user through it: those are the only processes ended here, by PID.
+        """
+        with _sigint_deferred():
+            self._down()
+
+    def _down(self):
+        live = set(list_namespaces())
+        for ns in self.plan.namespaces:
+            if ns in live:
+                _end_processes(ns)
+        for ns in self.plan.namespaces:
+            if ns in live:
+                _sh(["ip", "netns", "del", ns], check=False)
+        for h in self.plan.hosts:
+            path = self.uts_file(h)
+            if path.exists():
+                _sh(["umount", str(path)], check=False)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        left = [ns for ns in self.plan.namespaces if ns in set(list_namespaces())]
+        if left:
+            raise Error(f"could not delete namespaces {', '.join(left)}; remove them with `ip netns del`")
+
+
+def refuse_if_up(state_dir, name):
+    """Refuse to build over a live cluster of the same name; clean a stale record whose namespaces died."""
+    if not (Path(state_dir) / "state.json").exists():
+        return
+    old = Cluster.load(state_dir)
+    if set(old.plan.namespaces) & set(list_namespaces()):
+        raise Error(f"an emulated cluster {name!r} is already up ({old.plan.tag}); "
+                    f"take it down first with `ddl emulate down`")
+    old.down()
+
+
+class _sigint_deferred:
+    """Hold Ctrl-C while tearing down (a second Ctrl-C would leave half a cluster); re-raise it after."""
+
+    def __enter__(self):
+        self.hit = False
+        self.saved = None
+        if threading.current_thread() is threading.main_thread():
+            self.saved = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
+        if self.hit and exc[0] is None:
+            raise KeyboardInterrupt
+        return False
+
+
+def _end_processes(ns, grace=2.0):
+    """SIGTERM, then SIGKILL, the processes living in namespace ``ns`` (all started through it)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _netns_pids(ns)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _netns_pids(ns):
+            time.sleep(0.05)
+
+
+def _netns_pids(ns):
+    out = _sh(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _shape(ns, dev, rate):
+    """tbf on the transmitting device: the one place a direction of a veth can be shaped exactly."""
+    bits = max(int(round(rate * 8)), 8000)
+    burst = max(TBF_MIN_BURST, int(rate * TBF_BURST_SECONDS))
+    _sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
+         "burst", str(burst), "latency", TBF_LATENCY])
+
+
+def _ip(ns, *args):
+    return _sh(["ip", "-n", ns, *args])
+
+
+def _sh(argv, check=True):
+    """Run one short administrative command; failures become :class:`ddl.Error` with its stderr."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    except FileNotFoundError:
+        raise Error(f"{argv[0]} not found: emulation needs iproute2 and util-linux") from None
+    except subprocess.TimeoutExpired:
+        raise Error(f"`{' '.join(argv)}` did not finish in {COMMAND_TIMEOUT:.0f} s") from None
+    if check and res.returncode != 0:
+        raise Error(f"`{' '.join(argv)}` failed: {res.stderr.strip() or res.returncode}")
+    return res
