@@ -1,0 +1,28 @@
+"""Collective algorithms: each turns a Topology and a collective into a verified-able Schedule.
+
+``ALGORITHMS`` maps a name to ``fn(topo, collective, *, root=0, nbytes=None) -> Schedule``; ``fn``
+raises :class:`ddl.PlanError` when it does not apply. ``nbytes`` only chooses the pipelining depth.
+Each family also offers a topology-free builder on a rank order (``ring_schedule``,
+``halving_doubling_schedule``, ``dbt_schedule``, ``hierarchical_schedule``) for tests and tools.
+
+* ``ring`` -- topology-aware ring (NCCL-style order), all four collectives;
+* ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
+* ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
+* ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives.
+
+Simpler algorithms are listed first: the planner breaks ties in favour of the earlier one.
+"""
+from .double_binary_tree import dbt_schedule, double_binary_tree
+from .halving_doubling import halving_doubling, halving_doubling_schedule
+from .hierarchical import hierarchical, hierarchical_schedule
+from .ring import ring, ring_order, ring_schedule
+
+ALGORITHMS = {
+    "ring": ring,
+    "halving-doubling": halving_doubling,
+    "double-binary-tree": double_binary_tree,
+    "hierarchical": hierarchical,
+}
+
+__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "ring_order",
+           "ring_schedule", "halving_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]

@@ -1,0 +1,111 @@
+"""Rabenseifner's allreduce: recursive-halving reduce-scatter, then recursive-doubling allgather.
+
+Sources: R. Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; R. Thakur,
+R. Rabenseifner and W. Gropp, "Optimization of collective communication operations in MPICH", IJHPCA
+19(1), 2005 (sec. 4: halving/doubling and the non-power-of-two handling used here).
+
+``m = 2**floor(log2 p)`` ranks take part in the halving and doubling. With ``r = p - m`` extra ranks,
+the first ``2r`` positions pair up: the odd one of each pair sends its whole vector to the even one,
+which reduces it (and, for reduce-scatter and allgather, the pair's two blocks travel together), and
+the odd one receives its result at the end. Each of the ``log2 m`` halving steps exchanges half of
+what a rank still holds with the partner whose position differs in one bit; doubling undoes it.
+
+Topology: positions are the ranks in the topology-aware ring order, and halving runs its bits from
+the lowest (largest exchanges between ring neighbours, i.e. inside the fast tiers) up; doubling runs
+them back down. Any bit order is correct: a rank keeps the segments of the positions that agree with
+it on the bits done so far.
+
+Collectives: allreduce, reduce_scatter, allgather (any p); not broadcast. Chunks: allreduce cuts the
+buffer into ``m`` segments of ``k`` chunks, ``k = pipeline_depth(nbytes, m)`` (see ring.pipeline_depth);
+reduce-scatter and allgather cut each rank's block into ``k`` chunks, ``k = pipeline_depth(nbytes, p)``.
+"""
+from ..schedule import ScheduleBuilder
+from .ring import check_request, pipeline_depth, rank_partitions, nested_order
+
+NAME = "halving-doubling"
+SUPPORTED = ("allreduce", "reduce_scatter", "allgather")
+
+
+def halving_doubling_schedule(order, collective, k=1, algorithm=NAME, **info):
+    """Rabenseifner ``collective`` with positions ``order`` (a permutation of ``range(p)``)."""
+    order = [int(r) for r in order]
+    p = len(order)
+    check_request(algorithm, collective, p, 0, SUPPORTED)
+    m = 1 << (p.bit_length() - 1)
+    extra = p - m
+    active = [order[2 * j] if j < extra else order[j + extra] for j in range(m)]
+    partner_of = {order[2 * j]: order[2 * j + 1] for j in range(extra)}   # even -> odd of each pair
+    if collective == "allreduce":
+        b = ScheduleBuilder(collective, p, (1,) * (m * k), algorithm=algorithm)
+        segments = [list(range(j * k, (j + 1) * k)) for j in range(m)]
+        everything = list(range(m * k))
+    else:
+        b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
+        owned = [[a] + ([partner_of[a]] if a in partner_of else []) for a in active]
+        segments = [[r * k + s for r in own for s in range(k)] for own in owned]
+        everything = list(range(p * k))
+    bits = [1 << i for i in range(m.bit_length() - 1)]
+
+    def blocks(a):                     # chunks of the odd rank `a` (its own block in RS/AG)
+        return list(range(a * k, (a + 1) * k))
+
+    if collective in ("allreduce", "reduce_scatter"):
+        for even, odd in partner_of.items():
+            for c in everything:
+                b.transfer(odd, even, c, reduce=True)
+        _halving(b, active, segments, bits)
+    else:
+        for even, odd in partner_of.items():
+            for c in blocks(odd):
+                b.transfer(odd, even, c)
+    if collective in ("allreduce", "allgather"):
+        _doubling(b, active, segments, bits[::-1])
+        for even, odd in partner_of.items():
+            mine = set(blocks(odd)) if collective == "allgather" else set()
+            for c in everything:
+                if c not in mine:
+                    b.transfer(even, odd, c)
+    else:
+        for even, odd in partner_of.items():
+            for c in blocks(odd):
+                b.transfer(even, odd, c)
+    return b.build(order=order, active=active, folded_pairs=[[o, e] for e, o in partner_of.items()],
+                   halving_bits=bits, chunks_per_segment=k, **info)
+
+
+def _halving(b, active, segments, bits):
+    """Recursive halving: at bit ``x``, position ``j`` sends its partner ``j ^ x`` the segments of the
+    positions that agree with the partner on every bit done so far (including ``x``); they reduce."""
+    m, done = len(active), 0
+    for x in bits:
+        done |= x
+        for j in range(m):
+            q = j ^ x
+            for s in range(m):
+                if (s ^ q) & done == 0:
+                    for c in segments[s]:
+                        b.transfer(active[j], active[q], c, reduce=True)
+
+
+def _doubling(b, active, segments, bits):
+    """Recursive doubling: at bit ``x``, position ``j`` sends everything it holds (the segments of the
+    positions that agree with it on every bit not yet done) to ``j ^ x``."""
+    m = len(active)
+    todo = sum(bits)
+    for x in bits:
+        for j in range(m):
+            for s in range(m):
+                if (s ^ j) & todo == 0:
+                    for c in segments[s]:
+                        b.transfer(active[j], active[j ^ x], c)
+        todo &= ~x
+
+
+def halving_doubling(topo, collective, *, root=0, nbytes=None):
+    """Rabenseifner on the topology-aware ring order (see the module docstring)."""
+    p = topo.nranks
+    check_request(NAME, collective, p, root, SUPPORTED)
+    order, _ = nested_order(p, rank_partitions(topo), topo.route_bandwidth)
+    m = 1 << (p.bit_length() - 1)
+    k = pipeline_depth(nbytes, m if collective == "allreduce" else p)
+    return halving_doubling_schedule(order, collective, k)

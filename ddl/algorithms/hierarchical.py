@@ -1,0 +1,142 @@
+"""Hierarchical (per-tier) collectives: reduce-scatter up the tiers, allgather back down.
+
+Sources: M. Cho, U. Finkler, D. Kung and H. Hunter, "BlueConnect: decomposing all-reduce for deep
+learning on heterogeneous network hierarchy", SysML 2019; M. Cho et al., "PowerAI DDL",
+arXiv:1708.02188, 2017; A. Sergeev and M. Del Balso, "Horovod", arXiv:1802.05799, 2018 (hierarchical
+allreduce); Thakur, Rabenseifner and Gropp, IJHPCA 2005 (reduce-scatter + allgather decomposition).
+
+Stages are the distinct partitions of :attr:`Topology.tiers` (fastest first; all-singleton partitions
+and repeats dropped; the last stage is every rank). Allreduce: stage 1 reduce-scatters the buffer by a
+ring inside each stage-1 group; stage ``s`` reduce-scatters, by a ring among the ranks of a stage-``s``
+group that hold the same share (one per stage-``s-1`` sub-group), what stage ``s-1`` left on them; then
+allgathers run back down the stages. Every rank sends ``2 (1 - 1/p)`` of the buffer, as in a flat ring,
+but only ``1/g_1...g_{s-1}`` of it crosses tier ``s``, in ``2 sum(g_s - 1)`` steps instead of
+``2 (p - 1)``.
+
+Which rank holds which share is a *target map*: every chunk has a target rank (the owner of its block
+for reduce-scatter and allgather, the root for broadcast, rank ``c // k`` for allreduce). In a
+group containing the target the chunk is held by the target; in another group by the rank "in the
+same place": the sub-group with the target's sub-group index (modulo the group's size), recursively.
+So a chunk's final value is always reduced at its target and only copied elsewhere, and groups of
+*unequal* sizes (e.g. 8- and 4-GPU hosts) are handled exactly: the smaller group's ranks hold (and
+move) proportionally more.
+
+Collectives: allreduce, reduce_scatter (block r ends on rank r: it is r's chunks' target), allgather,
+broadcast (a pipelined chain per group, top stage first). Each stage is a ring in the topology-aware
+ring order. Chunks: ``k = pipeline_depth(nbytes, p)`` per target (see ring.pipeline_depth); broadcast
+``k = pipeline_depth(nbytes, 1)``.
+"""
+from ..errors import PlanError
+from ..schedule import ScheduleBuilder
+from .ring import (check_request, nested_order, pipeline_depth, rank_partitions, ring_allgather,
+                   ring_reduce_scatter)
+
+NAME = "hierarchical"
+
+
+def stage_partitions(nranks, partitions):
+    """The stages: ``partitions`` (fastest first; rank groups) normalised to sorted tuples, with
+    all-singleton and repeated partitions dropped and the partition of every rank appended if missing.
+    Raises PlanError when a partition does not cover the ranks or is not nested in the next."""
+    stages = []
+    prev = tuple((r,) for r in range(nranks))
+    for part in list(partitions) + [[range(nranks)]]:
+        groups = tuple(sorted((tuple(sorted(int(r) for r in g)) for g in part), key=min))
+        if sorted(r for g in groups for r in g) != list(range(nranks)):
+            raise PlanError(f"{NAME} does not support tiers that are not a partition of the ranks: {groups}")
+        if groups == prev:
+            continue
+        owner = {r: gi for gi, g in enumerate(groups) for r in g}
+        if any(len({owner[r] for r in g}) != 1 for g in prev):
+            raise PlanError(f"{NAME} does not support tiers that are not nested: {prev} vs {groups}")
+        stages.append(groups)
+        prev = groups
+    return stages
+
+
+def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, **info):
+    """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
+    of ``partitions`` (fastest first; see :func:`stage_partitions`)."""
+    order = [int(r) for r in order]
+    p = len(order)
+    check_request(algorithm, collective, p, root)
+    stages = stage_partitions(p, partitions)
+    pos = {r: i for i, r in enumerate(order)}
+    holders, children = _holders(p, stages, pos)
+    if collective == "allreduce":
+        b = ScheduleBuilder(collective, p, (1,) * (p * k), algorithm=algorithm)
+        targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
+    elif collective == "broadcast":
+        b = ScheduleBuilder(collective, p, (1,) * k, root=root, algorithm=algorithm)
+        targets = {root: list(range(k))}
+    else:
+        b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
+        targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
+    if collective in ("allreduce", "reduce_scatter"):
+        for s in range(1, len(stages) + 1):
+            _stage(b, s, holders, children, targets, pos, ring_reduce_scatter)
+    if collective != "reduce_scatter":
+        for s in range(len(stages), 0, -1):
+            _stage(b, s, holders, children, targets, pos, ring_allgather)
+    return b.build(order=order, chunks_per_target=k,
+                   stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
+                           for groups in stages], **info)
+
+
+def _holders(p, stages, pos):
+    """``holders[s][X][t]``: the rank of stage-``s`` group ``X`` that holds target ``t``'s chunks after
+    stage ``s`` (stage 0: every rank is its own group); ``children[s][X]``: the stage-``s-1`` groups
+    inside ``X``, in ring order."""
+    levels = [tuple((r,) for r in range(p))] + list(stages)
+    group_of = [{r: gi for gi, g in enumerate(groups) for r in g} for groups in levels]
+    holders = [[[x[0]] * p for x in levels[0]]]
+    children = [None]
+    for s in range(1, len(levels)):
+        kids = [[] for _ in levels[s]]
+        for gi, g in enumerate(levels[s - 1]):
+            kids[group_of[s][g[0]]].append(gi)
+        for ks in kids:
+            ks.sort(key=lambda gi: min(pos[r] for r in levels[s - 1][gi]))
+        index = {gi: i for ks in kids for i, gi in enumerate(ks)}
+        below = holders[s - 1]
+        level = []
+        for X, ks in enumerate(kids):
+            row = []
+            for t in range(p):
+                if group_of[s][t] == X:
+                    row.append(t)
+                else:
+                    row.append(below[ks[index[group_of[s - 1][t]] % len(ks)]][t])
+            level.append(row)
+        holders.append(level)
+        children.append(kids)
+    return holders, children
+
+
+def _stage(b, s, holders, children, targets, pos, ring_op):
+    """One stage's rings: in every stage-``s`` group, the sub-groups' holders of the same targets form
+    a ring (in ring order); each target's chunks end on (reduce-scatter) or start from (allgather) the
+    group's holder of that target."""
+    for X, kids in enumerate(children[s]):
+        if len(kids) < 2:
+            continue
+        rings = {}
+        for t, chunks in targets.items():
+            members = tuple(sorted({holders[s - 1][Y][t] for Y in kids}, key=pos.get))
+            rings.setdefault(members, {}).setdefault(holders[s][X][t], []).extend(chunks)
+        for members, blocks in rings.items():
+            ring_op(b, list(members), [blocks.get(r, []) for r in members])
+
+
+def hierarchical(topo, collective, *, root=0, nbytes=None):
+    """BlueConnect-style per-tier reduce-scatter/allgather on ``topo`` (see the module docstring)."""
+    p = topo.nranks
+    check_request(NAME, collective, p, root)
+    parts = rank_partitions(topo)
+    order, _ = nested_order(p, parts, topo.route_bandwidth)
+    k = pipeline_depth(nbytes, 1 if collective == "broadcast" else p)
+    tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
+               for t in topo.tiers if len(t.groups) < p}
+    stage_bw = [tier_bw.get(groups) for groups in stage_partitions(p, parts)]
+    return hierarchical_schedule(order, parts, collective, k, root,
+                                 stage_bandwidths=[None if bw is None else float(bw) for bw in stage_bw])

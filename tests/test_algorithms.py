@@ -1,0 +1,266 @@
+"""Collective algorithms: every schedule verifies; orders, stages and chunking do what they claim."""
+import time
+
+import numpy as np
+import pytest
+
+from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
+                            ring_order, ring_schedule)
+from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
+from ddl.algorithms.hierarchical import stage_partitions
+from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
+from ddl.errors import PlanError
+from ddl.verify import verify
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+SUPPORTS = {
+    "ring": COLLECTIVES,
+    "halving-doubling": ("allreduce", "reduce_scatter", "allgather"),
+    "double-binary-tree": ("allreduce", "broadcast"),
+    "hierarchical": COLLECTIVES,
+}
+PS = range(1, 18)
+
+
+def groups_of(order, size):
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def flat(name, p, collective, k=1, root=0, order=None):
+    """Topology-free builders: ``order`` defaults to a scrambled permutation of range(p)."""
+    order = order if order is not None else [(7 * i + 3) % p for i in range(p)] if p % 7 else list(range(p))
+    if name == "ring":
+        return ring_schedule(order, collective, k, root)
+    if name == "halving-doubling":
+        return halving_doubling_schedule(order, collective, k)
+    if name == "double-binary-tree":
+        return dbt_schedule(order, collective, k, root)
+    # two tiers: groups of 4 (last one smaller), then groups of 8: unequal sizes on purpose
+    return hierarchical_schedule(order, [groups_of(order, 4), groups_of(order, 8)], collective, k, root)
+
+
+def cluster(hosts, gpus, interleave=False, intra="100 GB/s", inter="10 GB/s"):
+    """``hosts`` x ``gpus`` ranks, each host a star behind a spine; ranks host-major or interleaved."""
+    from ddl.topology import Topology
+
+    var = {"j": gpus, "i": hosts} if interleave else {"i": hosts, "j": gpus}
+    return Topology.from_dict({
+        "name": f"cluster-{hosts}x{gpus}",
+        "nodes": [{"id": "spine", "kind": "switch"}, {"id": "h{i}", "kind": "host", "for": {"i": hosts}},
+                  {"id": "h{i}/gpu{j}", "kind": "gpu", "for": {"i": hosts, "j": gpus}}],
+        "links": [{"a": "h{i}/gpu{j}", "b": "h{i}", "bandwidth": intra, "for": {"i": hosts, "j": gpus}},
+                  {"a": "h{i}", "b": "spine", "bandwidth": inter, "for": {"i": hosts}}],
+        "ranks": [{"id": "h{i}/gpu{j}", "for": var}]})
+
+
+def three_tier(gpus=4, hosts=4, racks=2):
+    from ddl.topology import Topology
+
+    return Topology.from_dict({"name": "3tier", "tiers": [
+        {"name": "gpu", "count": gpus, "bandwidth": "80 GB/s"},
+        {"name": "host", "count": hosts, "bandwidth": "100 Gbit/s"},
+        {"name": "rack", "count": racks, "bandwidth": "50 Gbit/s"}]})
+
+
+def dgx1():
+    from ddl.topology import Topology
+
+    double = [[0, 1], [0, 4], [1, 3], [2, 3], [2, 6], [4, 5], [5, 7], [6, 7]]
+    single = [[0, 2], [0, 3], [1, 2], [1, 5], [3, 7], [4, 6], [4, 7], [5, 6]]
+    return Topology.from_dict({
+        "name": "dgx1", "nodes": [{"id": "pcie", "kind": "pcie"}, {"id": "gpu{g}", "kind": "gpu", "for": {"g": 8}}],
+        "links": [{"a": "gpu{p[0]}", "b": "gpu{p[1]}", "bandwidth": "25 GB/s", "count": 2, "for": {"p": double}},
+                  {"a": "gpu{p[0]}", "b": "gpu{p[1]}", "bandwidth": "25 GB/s", "for": {"p": single}},
+                  {"a": "gpu{g}", "b": "pcie", "bandwidth": "12 GB/s", "for": {"g": 8}}],
+        "ranks": [{"id": "gpu{g}", "for": {"g": 8}}]})
+
+
+def crossings(order, group_of):
+    return sum(group_of[a] != group_of[b] for a, b in zip(order, order[1:] + order[:1]))
+
+
+# ---- every algorithm x collective x p verifies ----------------------------------------------------
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("k", [1, 3])
+def test_flat_schedules_verify(name, k):
+    for p in PS:
+        for collective in COLLECTIVES:
+            if collective not in SUPPORTS[name]:
+                with pytest.raises(PlanError, match="does not support"):
+                    flat(name, p, collective, k)
+                continue
+            for root in sorted({0, p - 1, p // 2}) if collective == "broadcast" else [0]:
+                sched = flat(name, p, collective, k, root)
+                assert sched.nranks == p and sched.algorithm == name
+                verify(sched)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_topology_schedules_verify(name):
+    topos = [cluster(4, 4, interleave=True), cluster(3, 3), three_tier(), dgx1(), cluster(1, 1)]
+    for topo in topos:
+        for collective in SUPPORTS[name]:
+            plain = ALGORITHMS[name](topo, collective, root=topo.nranks - 1)
+            piped = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=64 << 20)
+            verify(plain)
+            verify(piped)
+            if topo.nranks > 1:
+                assert piped.nchunks > plain.nchunks, f"{name} {collective} on {topo.name}: 64 MiB must pipeline"
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_unsupported_collective_is_a_plan_error(name):
+    topo = cluster(2, 2)
+    with pytest.raises(PlanError, match="does not support"):
+        ALGORITHMS[name](topo, "alltoall")
+    with pytest.raises(PlanError):
+        ALGORITHMS[name](topo, SUPPORTS[name][0], root=topo.nranks)
+
+
+def test_deterministic():
+    topo = three_tier()
+    for name, fn in ALGORITHMS.items():
+        for collective in SUPPORTS[name]:
+            a, b = fn(topo, collective, nbytes=1 << 26), fn(three_tier(), collective, nbytes=1 << 26)
+            assert a == b and a.info == b.info and a.to_json() == b.to_json()
+
+
+# ---- chunk geometry -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_chunk_ranges_partition_the_buffer(name):
+    for p in (1, 2, 3, 5, 6, 7, 12, 17):
+        for collective in SUPPORTS[name]:
+            for k in (1, 3):
+                sched = flat(name, p, collective, k)
+                for count in (0, 1, 7, p - 1, 1001):
+                    if sched.nblocks > 1:
+                        count = count * p
+                    r = sched.chunk_ranges(count)
+                    assert r.shape == (sched.nchunks, 2)
+                    assert r[0, 0] == 0 and r[-1, 1] == count
+                    assert np.all(r[1:, 0] == r[:-1, 1]) and np.all(r[:, 1] >= r[:, 0])
+                    sizes = r[:, 1] - r[:, 0]
+                    assert sizes.sum() == count
+
+
+def test_pipeline_depth():
+    assert pipeline_depth(None, 8) == 1
+    assert pipeline_depth(1000, 8) == 1
+    assert pipeline_depth(64 << 20, 8) == 8
+    assert pipeline_depth(4 << 20, 2) == 2
+    assert pipeline_depth(1 << 40, 192) == 2            # at most 512 chunks in all
+    assert ring_schedule(list(range(4)), "allreduce", 3).nchunks == 12
+
+
+# ---- topology-aware orders ----------------------------------------------------------------------
+def test_ring_order_crosses_slow_tier_once_per_host():
+    topo = cluster(4, 4, interleave=True)
+    host = [topo.host_of(i) for i in range(topo.nranks)]
+    assert crossings(list(range(16)), host) == 16        # index order: every hop leaves the host
+    order = ring_order(topo)
+    assert sorted(order) == list(range(16))
+    assert crossings(order, host) == 4
+    sched = ALGORITHMS["ring"](topo, "allreduce")
+    assert sched.info["order"] == order
+
+
+def test_ring_order_fat_tree_leaves_by_attachment():
+    from ddl.topology import Topology
+
+    # all links alike (one bandwidth tier), ranks interleaved over 4 leaves: attachment groups them
+    topo = Topology.from_dict({
+        "name": "ft", "nodes": [{"id": "spine", "kind": "switch"}, {"id": "leaf{l}", "kind": "switch", "for": {"l": 4}},
+                                {"id": "l{l}n{k}", "kind": "gpu", "for": {"l": 4, "k": 4}}],
+        "links": [{"a": "l{l}n{k}", "b": "leaf{l}", "bandwidth": "4 GB/s", "for": {"l": 4, "k": 4}},
+                  {"a": "leaf{l}", "b": "spine", "bandwidth": "4 GB/s", "for": {"l": 4}}],
+        "ranks": [{"id": "l{l}n{k}", "for": {"k": 4, "l": 4}}]})
+    assert len(topo.tiers) == 1
+    leaf = [i % 4 for i in range(16)]
+    assert crossings(ring_order(topo), leaf) == 4
+
+
+def test_ring_order_finds_dgx1_nvlink_ring():
+    topo = dgx1()
+    order = ring_order(topo)
+    hops = [topo.route_bandwidth(a, b) for a, b in zip(order, order[1:] + order[:1])]
+    assert min(hops) == 50e9, (order, hops)              # every hop a double NVLink
+    assert ALGORITHMS["ring"](topo, "allreduce").info["bottleneck_bandwidth"] == 50e9
+
+
+def test_widest_ring_search_and_nested_order():
+    bw = {(a, b): 1.0 for a in range(6) for b in range(6)}
+    for a, b in [(0, 3), (3, 5), (5, 1), (1, 4), (4, 2), (2, 0)]:
+        bw[a, b] = bw[b, a] = 9.0
+    seq, bottleneck = widest_ring(list(range(6)), lambda a, b: bw[a, b])
+    assert bottleneck == 9.0 and seq in ([0, 3, 5, 1, 4, 2], [0, 2, 4, 1, 5, 3])
+    order, _ = nested_order(8, [[[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 4, 5], [2, 3, 6, 7]]])
+    assert order == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_double_binary_trees_are_binary_and_complementary():
+    for n in range(1, 40):
+        for parents in dtree_parents(n):
+            assert parents.count(-1) == 1
+            children = [parents.count(x) for x in range(n)]
+            assert max(children, default=0) <= 2
+            for x in range(n):                           # every node reaches the root
+                seen = 0
+                while parents[x] >= 0 and seen <= n:
+                    x, seen = parents[x], seen + 1
+                assert parents[x] == -1
+        if n >= 4 and n % 2 == 0:
+            t1, t2 = dtree_parents(n)
+            inner1 = {p for p in t1 if p >= 0}
+            inner2 = {p for p in t2 if p >= 0}
+            assert not inner1 & inner2, n               # mirrored: interior sets are disjoint
+    assert btree_parents(14)[13] == 12 and btree_parents(14)[12] == 8
+
+
+# ---- hierarchical -------------------------------------------------------------------------------
+def test_hierarchical_stages_match_tiers():
+    topo = three_tier(gpus=4, hosts=4, racks=2)
+    tier_sizes = [sorted(len(g) for g in t.groups) for t in topo.tiers]
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce")
+    stage_sizes = [sorted(s["group_sizes"]) for s in sched.info["stages"]]
+    assert stage_sizes == tier_sizes
+    assert len(sched.info["stage_bandwidths"]) == len(topo.tiers)
+    # stage 1 moves data only inside hosts; only the last stage crosses racks, with 1/(4*4) of it
+    host = [topo.host_of(i) for i in range(topo.nranks)]
+    rack = [h.split("/")[0] for h in host]
+    frac = sched.chunk_fractions
+    cross = sum(frac[op.chunk] for r, prog in enumerate(sched.programs)
+                for op in prog if op.kind == "send" and rack[op.peer] != rack[r])
+    assert cross == pytest.approx(2 * topo.nranks * (1 / 16) * (1 / 2))
+
+
+def test_hierarchical_unequal_groups():
+    # hosts of 4, 2 and 3 GPUs: unequal groups still give a correct schedule for every collective
+    order = list(range(9))
+    parts = [[[0, 1, 2, 3], [4, 5], [6, 7, 8]]]
+    for collective in COLLECTIVES:
+        for k in (1, 2):
+            verify(hierarchical_schedule(order, parts, collective, k, root=5))
+    assert [len(s) for s in stage_partitions(9, parts)] == [3, 1]
+    with pytest.raises(PlanError, match="not nested"):
+        stage_partitions(4, [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])
+
+
+# ---- scale --------------------------------------------------------------------------------------
+def test_192_ranks_build_and_verify_in_seconds():
+    from ddl.topology import Topology
+
+    topo = Topology.from_dict({"name": "ibm-3tier-192", "tiers": [
+        {"name": "gpu", "count": 4, "bandwidth": "80 GB/s"},
+        {"name": "host", "count": 16, "bandwidth": "100 Gbit/s"},
+        {"name": "rack", "count": 3, "bandwidth": "50 Gbit/s"}]})
+    assert topo.nranks == 192
+    report = []
+    for name, fn in ALGORITHMS.items():
+        t0 = time.perf_counter()
+        sched = fn(topo, "allreduce")
+        t1 = time.perf_counter()
+        verify(sched)
+        t2 = time.perf_counter()
+        report.append(f"{name}: build {t1 - t0:.2f}s verify {t2 - t1:.2f}s ({sched.nops} ops)")
+        assert t1 - t0 < 20 and t2 - t1 < 30
+    print("\n192-rank allreduce: " + "; ".join(report))
