@@ -1,0 +1,747 @@
+"""The ``ddl bench`` engine: nccl-tests-style allreduce benchmark of ddl against its peers.
+
+It runs inside every MPI rank (``mpiexec -n 8 ddl bench FILE``; the CLI in :mod:`ddl.cli.bench`
+launches that itself when needed). Implementations:
+
+* ``ddl`` -- :class:`ddl.Communicator` with ``algorithm="auto"``; ``ddl:NAME`` with a fixed algorithm
+  (``--algorithms ring,hierarchical``);
+* ``mpi`` -- the MPI library's ``MPI_Allreduce`` through mpi4py's ``comm.Allreduce``;
+* ``gloo`` -- ``torch.distributed.all_reduce`` with the gloo backend, when torch is installed.
+
+Method. Every implementation uses the same send and receive buffers for a size. The send buffer holds
+a deterministic pattern of small integers (``(7 * (i % 251) + 13 * rank) % 251``), so every partial sum
+is exact in any order and ``#wrong`` (elements of the result that differ from the expected one, summed
+over ranks, checked after the last iteration) is exact. Before each iteration the receive buffer is
+poisoned (NaN, or -1 for integers) outside the timed region, then every rank passes an MPI barrier and
+times the call; an iteration's time is the maximum over ranks (an MPI allreduce with MAX) and a row
+reports the median over iterations. Iterations of the implementations alternate (ddl, mpi, gloo, ddl,
+...), so slow drifts of a shared machine affect them alike. For ddl rows the row also carries the
+planner's prediction for the schedule that ran (simulated at that size) and the lower bound.
+"""
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import Error, PlanError
+from .units import format_seconds, format_size, parse_size
+
+DTYPES = ("float32", "float64", "int32", "int64")
+OPS = ("sum", "max", "min")
+PEERS = ("mpi", "gloo")
+PATTERN_PERIOD = 251  # prime, so a chunk landing at a wrong offset shows up as wrong elements
+MAX_SIZES = 64
+
+COLUMNS = ("size", "count", "type", "redop", "impl", "time", "algbw", "busbw", "#wrong",
+           "algorithm", "predicted", "bound", "t/pred", "t/bound")
+
+
+@dataclass
+class Options:
+    """What to run; built (and validated) by :func:`options`."""
+
+    topology: object = None          # path of a topology file, or None (flat, from the MPI size)
+    sizes: list = field(default_factory=lambda: [64 << 20])
+    iters: int = 5
+    warmup: int = 1
+    dtype: str = "float32"
+    op: str = "sum"
+    algorithms: list = field(default_factory=lambda: ["auto"])
+    peers: list = field(default_factory=lambda: ["mpi"])
+    json: bool = False
+    plot: object = None
+    progress: object = None          # None: automatic (runs longer than a few seconds), True, False
+    scale: object = None             # the network runs at scale x the file's link bandwidths (emulation)
+
+
+# ---- argument parsing (pure, deterministic: every rank raises the same Error) --------------------------
+def parse_sizes(spec, max_bytes=None, factor=None):
+    """Sizes in bytes from ``--bytes`` / ``--max-bytes`` / ``--factor``.
+
+    ``spec`` is a comma-separated list of sizes (``8,1MiB,64MiB``) and ranges ``MIN:MAX`` or
+    ``MIN:MAX:FACTOR`` (``8:64MiB`` = 8, 16, 32, ... 64 MiB). With ``max_bytes``, a single size is
+    the start of the range up to it (nccl-tests' ``-b``/``-e``/``-f``). ``factor`` (default 2) is the
+    step of ranges that give none.
+    """
+    if factor is not None:
+        factor = _parse_int(factor, "--factor", minimum=2)
+    items = [s.strip() for s in str(spec).split(",")]
+    if not all(items):
+        raise Error(f"--bytes {spec!r}: empty size in the list; write e.g. 8,1MiB or 8:64MiB")
+    if max_bytes is not None:
+        if len(items) != 1 or ":" in items[0]:
+            raise Error("--max-bytes needs a single starting size in --bytes (e.g. --bytes 8 --max-bytes 64MiB)")
+        items = [f"{items[0]}:{max_bytes}"]
+    sizes = []
+    for item in items:
+        parts = item.split(":")
+        if len(parts) == 1:
+            sizes.append(_size(parts[0], "--bytes"))
+            continue
+        if len(parts) not in (2, 3):
+            raise Error(f"--bytes {item!r}: a range is MIN:MAX or MIN:MAX:FACTOR, e.g. 8:64MiB or 8:64MiB:4")
+        lo, hi = _size(parts[0], "--bytes"), _size(parts[1], "--bytes")
+        step = _parse_int(parts[2], "--bytes range factor", minimum=2) if len(parts) == 3 else (factor or 2)
+        if lo <= 0:
+            raise Error(f"--bytes {item!r}: a range must start above 0 bytes")
+        if hi < lo:
+            raise Error(f"--bytes {item!r}: the range ends ({format_size(hi)}) below its start ({format_size(lo)})")
+        n = lo
+        while n <= hi:
+            sizes.append(n)
+            n *= step
+    out = []
+    for n in sizes:
+        if n not in out:
+            out.append(n)
+    if len(out) > MAX_SIZES:
+        raise Error(f"--bytes {spec!r} gives {len(out)} sizes; at most {MAX_SIZES} (use a larger --factor)")
+    return out
+
+
+def _size(text, what):
+    try:
+        n = parse_size(text.strip())
+    except ValueError as exc:
+        raise Error(f"{what}: {exc}") from None
+    return n
+
+
+def _parse_int(text, what, minimum=0):
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise Error(f"{what} must be a whole number, got {text!r}") from None
+    if value < minimum:
+        raise Error(f"{what} must be at least {minimum}, got {value}")
+    return value
+
+
+def parse_names(text, choices, what):
+    """Comma-separated names from ``choices`` (order kept, duplicates dropped); ``none`` or '' = []."""
+    names = []
+    for name in str(text).split(","):
+        name = name.strip().lower()
+        if not name or name == "none":
+            continue
+        if name not in choices:
+            raise Error(f"{what}: unknown name {name!r}; choose from {', '.join(choices)}")
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5", warmup="1",
+            dtype="float32", op="sum", algorithms="auto", peers="mpi", json=False, plot=None,
+            progress=None, scale=None):
+    """Validated :class:`Options` from command-line strings; raises :class:`ddl.Error`."""
+    from .planner import algorithm_names
+
+    if dtype not in DTYPES:
+        raise Error(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if op not in OPS:
+        raise Error(f"--op {op!r} is not supported; choose one of {', '.join(OPS)}")
+    algos = ["auto"] + [a for a in parse_names(algorithms, ("auto", *algorithm_names()), "--algorithms")
+                        if a != "auto"]
+    if topology is not None:
+        topology = os.path.abspath(topology)
+        if not os.path.isfile(topology):
+            raise Error(f"{topology}: no such topology file")
+    if plot is not None:
+        plot = os.path.abspath(plot)
+        check_plot_path(plot)
+    sizes = parse_sizes(bytes, max_bytes, factor)
+    if scale is not None:
+        try:
+            scale = float(scale)
+        except ValueError:
+            raise Error(f"--scale must be a number, got {scale!r}") from None
+        if not (scale > 0 and math.isfinite(scale)):
+            raise Error(f"--scale must be a positive number, got {scale}")
+        if topology is None:
+            raise Error("--scale needs a topology FILE (it scales that file's links)")
+    return Options(topology=topology, sizes=sizes,
+                   iters=_parse_int(iters, "--iters", minimum=1),
+                   warmup=_parse_int(warmup, "--warmup", minimum=0), dtype=dtype, op=op,
+                   algorithms=algos, peers=parse_names(peers, PEERS, "--peers"), json=bool(json),
+                   plot=plot, progress=progress, scale=None if scale in (None, 1.0) else scale)
+
+
+def scaled_topology(topo, scale):
+    """``topo`` with every network link (neither end a rank) at ``scale`` times its bandwidth.
+
+    What ``ddl emulate run --scale F`` builds: it shapes host-switch and switch-switch links and leaves
+    links inside a host (shared memory) and the reduction speed as they are.
+    """
+    from .topology import Topology
+    from .units import parse_bandwidth
+
+    if not scale or scale == 1.0:
+        return topo
+    data = topo.to_dict()
+    ranks = set(topo.ranks)
+    for link in data["links"]:
+        if link["a"] not in ranks and link["b"] not in ranks:
+            link["bandwidth"] = parse_bandwidth(link["bandwidth"]) * scale
+    data["name"] = f"{topo.name}@{scale:g}"
+    return Topology.from_dict(data, source=topo.source)
+
+
+def check_plot_path(path):
+    """Fail before a long run, not after it: the folder must exist and matplotlib know the format."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise Error(f"--plot {path}: folder {folder} does not exist")
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in ("png", "pdf", "svg", "jpg", "jpeg"):
+        raise Error(f"--plot {path}: write a .png, .pdf, .svg or .jpg file")
+
+
+# ---- buffers and the expected result -------------------------------------------------------------------
+def pattern(count, rank, dtype):
+    """Rank ``rank``'s send buffer: small non-negative integers with period :data:`PATTERN_PERIOD`."""
+    period = (7 * np.arange(PATTERN_PERIOD, dtype=np.int64) + 13 * rank) % PATTERN_PERIOD
+    return np.resize(period.astype(dtype), count)
+
+
+def expected(count, nranks, dtype, op):
+    """The exact allreduce of every rank's :func:`pattern`."""
+    periods = np.stack([(7 * np.arange(PATTERN_PERIOD, dtype=np.int64) + 13 * r) % PATTERN_PERIOD
+                        for r in range(nranks)])
+    reduce = {"sum": periods.sum, "max": periods.max, "min": periods.min}[op]
+    return np.resize(reduce(axis=0).astype(dtype), count)
+
+
+def poison(buf):
+    buf.fill(np.nan if buf.dtype.kind == "f" else -1)
+
+
+# ---- implementations -----------------------------------------------------------------------------------
+class Skip(Exception):
+    """This implementation cannot run here (the reason is the message); the others go on."""
+
+
+class DdlImpl:
+    kind = "ddl"
+
+    def __init__(self, world, topo, algorithm):
+        import ddl
+        self.algorithm = algorithm
+        self.name = "ddl" if algorithm == "auto" else f"ddl:{algorithm}"
+        self.comm = ddl.Communicator(world, topology=topo, algorithm=algorithm)
+        self.op = {"sum": ddl.SUM, "max": ddl.MAX, "min": ddl.MIN}
+        self.schedule = None
+
+    def prepare_size(self, nbytes):
+        """Plan outside the timed region; raises Skip when the algorithm cannot plan this size."""
+        if self.comm.size == 1:
+            self.schedule = None
+            return
+        try:
+            self.schedule = self.comm.plan(nbytes)
+        except PlanError as exc:
+            raise Skip(str(exc)) from None
+
+    def prepare(self, send, recv):
+        poison(recv)
+
+    def call(self, send, recv, op):
+        self.comm.Allreduce(send, recv, op=self.op[op])
+
+    def close(self):
+        pass
+
+
+class MpiImpl:
+    kind = "peer"
+    name = "mpi"
+
+    def __init__(self, world):
+        from mpi4py import MPI
+        self.comm = world.Dup()
+        self.op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self.library = " ".join(MPI.Get_library_version().splitlines()[0].split()).replace("Version: ", "")
+
+    def prepare_size(self, nbytes):
+        pass
+
+    def prepare(self, send, recv):
+        poison(recv)
+
+    def call(self, send, recv, op):
+        self.comm.Allreduce(send, recv, op=self.op[op])
+
+    def close(self):
+        self.comm.Free()
+
+
+class GlooImpl:
+    """torch.distributed with the gloo backend; all_reduce is in place, so recv gets a copy of send
+    (outside the timed region) and is reduced in place."""
+
+    kind = "peer"
+    name = "gloo"
+
+    def __init__(self, world):
+        import datetime
+
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns about namespaced host names
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        torch.set_num_threads(1)  # ranks share the machine's cores; gloo has its own threads
+        addr, port, ifname = _rendezvous(world)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=world.rank,
+                                world_size=world.size, timeout=datetime.timedelta(minutes=30))
+        self.op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self.library = f"torch {torch.__version__} gloo ({addr}:{port}{', ' + ifname if ifname else ''})"
+        self._tensor = None
+
+    def prepare_size(self, nbytes):
+        self._tensor = None
+
+    def prepare(self, send, recv):
+        np.copyto(recv, send)
+        if self._tensor is None or self._tensor.data_ptr() != recv.ctypes.data:
+            self._tensor = self.torch.from_numpy(recv)
+
+    def call(self, send, recv, op):
+        self.dist.all_reduce(self._tensor, op=self.op[op])
+
+    def close(self):
+        try:
+            self.dist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+def torch_problem():
+    """None when torch imports, else why not (one line)."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:
+        return f"torch cannot be imported ({exc}); pip install torch"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "this torch build has no gloo backend"
+    return None
+
+
+def _interface_address(ifname):
+    """IPv4 address of a local interface (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        return None
+
+
+def _rendezvous(world):
+    """(address, port, socket interface) for gloo, chosen by rank 0 and broadcast.
+
+    MASTER_ADDR / MASTER_PORT / GLOO_SOCKET_IFNAME from the environment win. Inside ``ddl emulate``
+    rank 0's ``eth0`` address (host 0, 198.18.0.10) and ``eth0``; one machine: 127.0.0.1 and ``lo``;
+    several machines: rank 0's host name.
+    """
+    from mpi4py import MPI
+    names = world.allgather(MPI.Get_processor_name())
+    choice = None
+    if world.rank == 0:
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        addr = os.environ.get("MASTER_ADDR")
+        if os.environ.get("DDL_EMULATED_CLUSTER") and _interface_address("eth0"):
+            addr = addr or _interface_address("eth0")
+            ifname = ifname or "eth0"
+        elif len(set(names)) == 1:
+            addr = addr or "127.0.0.1"
+            ifname = ifname or "lo"
+        else:
+            addr = addr or socket.gethostbyname(socket.gethostname())
+        port = os.environ.get("MASTER_PORT")
+        if not port:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))
+                port = s.getsockname()[1]
+        choice = (addr, int(port), ifname)
+    return world.bcast(choice, root=0)
+
+
+# ---- progress --------------------------------------------------------------------------------------------
+class Progress:
+    """A progress line on stderr (rank 0): shown once the run has lasted ``after`` seconds.
+
+    On a terminal a bar redrawn in place; otherwise (mpiexec pipes stderr) a line every ``every`` s.
+    """
+
+    def __init__(self, total, enabled=None, stream=None, after=3.0, every=10.0):
+        self.total = max(total, 1)
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = enabled
+        self.after, self.every = after, every
+        self.t0 = time.monotonic()
+        self.last = None
+        self.drawn = False
+
+    def step(self, amount, what):
+        self.done += amount
+        if self.enabled is False:
+            return
+        now = time.monotonic()
+        elapsed = now - self.t0
+        if self.enabled is None and elapsed < self.after:
+            return
+        if self.last is not None and now - self.last < (0.2 if self.tty else self.every):
+            return
+        self.last = now
+        frac = min(self.done / self.total, 1.0)
+        left = elapsed * (1 - frac) / frac if frac > 0 else 0.0
+        text = f"{frac * 100:3.0f}% {what}, {elapsed:.0f} s elapsed, ~{left:.0f} s left"
+        if self.tty:
+            width = 24
+            bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+            self.stream.write(f"\r\x1b[Kddl bench [{bar}] {text}")
+            self.drawn = True
+        else:
+            self.stream.write(f"ddl bench: {text}\n")
+        self.stream.flush()
+
+    def clear(self):
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.drawn = False
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+def run(opts, world=None, out=None, err=None):
+    """Benchmark as ``opts`` says on every rank of ``world`` (default COMM_WORLD); rank 0 reports.
+
+    Returns the exit status: 0, or 1 when some result was wrong (on every rank: rank 0 decides).
+    :func:`measure` gives the rows themselves.
+    """
+    from mpi4py import MPI
+    world = world or MPI.COMM_WORLD
+    out = out or sys.stdout
+    err = err or sys.stderr
+    rows, notes, header = measure(opts, world, out=out, err=err)
+    status, failure = 0, None
+    if rows is not None:
+        if opts.json:
+            json.dump(rows, out, indent=2)
+            out.write("\n")
+        else:
+            print_summary(rows, out)
+        out.flush()
+        status = 1 if any(r["wrong"] for r in rows) else 0
+        if opts.plot:
+            try:
+                plot(rows, opts.plot, header["title"])
+                print(f"ddl bench: plot written to {opts.plot}", file=err)
+            except Error as exc:
+                failure = str(exc)
+    status, failure = world.bcast((status, failure), root=0)
+    if failure:
+        raise Error(failure)  # on every rank, so that none waits for the others
+    return status
+
+
+def measure(opts, world=None, out=None, err=None):
+    """Run the benchmark; rank 0 returns ``(rows, notes, header)``, other ranks ``(None, None, None)``.
+
+    Rank 0 prints the table (unless ``opts.json``) row by row to ``out`` and notes to ``err``.
+    """
+    from mpi4py import MPI
+
+    from .topology import Topology
+
+    world = world or MPI.COMM_WORLD
+    rank, nranks = world.rank, world.size
+    out = out or sys.stdout
+    err = err or sys.stderr
+    topo = Topology.load(opts.topology) if opts.topology else None
+    if topo is not None and opts.scale:
+        topo = scaled_topology(topo, opts.scale)
+    if topo is not None and topo.nranks != nranks:
+        raise Error(f"topology {topo.name!r} ({opts.topology}) has {topo.nranks} ranks but this MPI job has "
+                    f"{nranks}: run `mpiexec -n {topo.nranks} ddl bench ...`, or `ddl bench FILE` alone "
+                    f"and it launches mpiexec itself")
+    if topo is None and nranks > 1:
+        from .planner import flat_topology
+        model = flat_topology(nranks)
+    else:
+        model = topo
+    lead = rank == 0
+    notes = []
+
+    def note(text):
+        notes.append(text)
+        if lead:
+            print(f"ddl bench: {text}", file=err, flush=True)
+
+    impls = [DdlImpl(world, topo, a) for a in opts.algorithms]
+    for peer in opts.peers:
+        if peer == "mpi":
+            impls.append(MpiImpl(world))
+        elif peer == "gloo":
+            problems = [p for p in world.allgather(torch_problem()) if p]
+            if problems:
+                note(f"gloo skipped: {problems[0]}")
+                continue
+            impls.append(GlooImpl(world))
+
+    dtype = np.dtype(opts.dtype)
+    header = _header(opts, topo, model, nranks, impls)
+    widths = widths_for([impl.name for impl in impls])
+    if lead and not opts.json:
+        for line in header["lines"]:
+            print(line, file=out)
+        for text in notes:
+            print(f"# {text}", file=out)
+        print(_table_header(widths), file=out, flush=True)
+
+    counts = [max(1, n // dtype.itemsize) for n in opts.sizes]
+    _check_memory(world, max(counts) * dtype.itemsize)
+    total = sum(c * dtype.itemsize for c in counts) * len(impls) * (opts.iters + opts.warmup)
+    progress = Progress(total, opts.progress) if lead else None
+    rows = []
+    for count in counts:
+        nbytes = count * dtype.itemsize
+        send = pattern(count, rank, dtype)
+        recv = np.empty_like(send)
+        want = expected(count, nranks, dtype, opts.op)
+        active, skipped = [], []
+        for impl in impls:
+            try:
+                impl.prepare_size(nbytes)
+                active.append(impl)
+            except Skip as exc:
+                skipped.append(impl.name)
+                note(f"{impl.name} skipped at {format_size(nbytes)}: {exc}")
+        times = {impl.name: [] for impl in active}
+        wrong = {}
+        for impl in active:
+            for _ in range(opts.warmup):
+                _timed(impl, world, send, recv, opts.op)
+                if progress:
+                    progress.step(nbytes, f"{format_size(nbytes)} {impl.name} warm-up")
+        for it in range(opts.iters):
+            for impl in active:
+                times[impl.name].append(_timed(impl, world, send, recv, opts.op))
+                if it == opts.iters - 1:
+                    mine = int(np.count_nonzero(recv != want))
+                    wrong[impl.name] = world.allreduce(mine, op=MPI.SUM)
+                if progress:
+                    progress.step(nbytes, f"{format_size(nbytes)} {impl.name} iteration {it + 1}/{opts.iters}")
+        predictions = _predictions(active, model, nbytes) if lead and model is not None else {}
+        bound = predictions.pop("__bound__", None)
+        if not lead:
+            continue
+        for impl in active:
+            row = _row(impl, nbytes, count, opts, nranks, times[impl.name], wrong[impl.name], bound,
+                       predictions.get(impl.name), topo)
+            rows.append(row)
+            if not opts.json:
+                if progress:
+                    progress.clear()
+                print(format_row(row, widths), file=out, flush=True)
+        for name in skipped:
+            if not opts.json:
+                print(f"# {format_size(nbytes)} {name}: skipped (see the note above)", file=out)
+    if progress:
+        progress.clear()
+    for impl in impls:
+        impl.close()
+    if not lead:
+        return None, None, None
+    return rows, notes, header
+
+
+def _check_memory(world, nbytes):
+    """Each rank holds three buffers of the largest size (send, receive, expected): refuse sizes that
+    cannot fit in this machine's memory, on every rank alike."""
+    from mpi4py import MPI
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        need = 3 * nbytes * local.size
+    finally:
+        local.Free()
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        have = None
+    short = world.allreduce(need if have is not None and need > have else 0, op=MPI.MAX)
+    if short:
+        raise Error(f"{format_size(nbytes)} per buffer needs about {format_size(short)} of memory on one "
+                    f"machine (3 buffers per rank), more than it has: give a smaller --bytes")
+
+
+def _timed(impl, world, send, recv, op):
+    """One iteration: prepare, barrier, time the call; the slowest rank's time."""
+    from mpi4py import MPI
+    impl.prepare(send, recv)
+    world.Barrier()
+    t0 = time.perf_counter()
+    impl.call(send, recv, op)
+    dt = time.perf_counter() - t0
+    return world.allreduce(dt, op=MPI.MAX)
+
+
+def _predictions(impls, model, nbytes):
+    """Simulated time of the schedule each ddl implementation ran, and the lower bound (rank 0)."""
+    from .bounds import lower_bound
+    from .simulate import simulate
+
+    out = {"__bound__": lower_bound(model, "allreduce", nbytes).seconds}
+    for impl in impls:
+        if impl.kind == "ddl" and impl.schedule is not None:
+            out[impl.name] = (impl.schedule.algorithm, simulate(model, impl.schedule, nbytes).seconds)
+    return out
+
+
+def _row(impl, nbytes, count, opts, nranks, times, wrong, bound, prediction, topo):
+    from .bounds import algbw, busbw
+    seconds = statistics.median(times)
+    row = {
+        "impl": impl.name,
+        "algorithm": (prediction[0] if prediction else ("local" if nranks == 1 else "")) if impl.kind == "ddl"
+        else getattr(impl, "library", impl.name),
+        "collective": "allreduce",
+        "bytes": nbytes,
+        "count": count,
+        "dtype": opts.dtype,
+        "op": opts.op,
+        "nranks": nranks,
+        "topology": topo.name if topo is not None else None,
+        "seconds": seconds,
+        "times": times,
+        "min_seconds": min(times),
+        "max_seconds": max(times),
+        "algbw": _finite(algbw(nbytes, seconds)),
+        "busbw": _finite(busbw("allreduce", nbytes, seconds, nranks)) if nranks > 1 else 0.0,
+        "wrong": wrong,
+        "correct": wrong == 0,
+        "predicted_seconds": prediction[1] if prediction else None,
+        "bound_seconds": bound,
+    }
+    return row
+
+
+def _finite(x):
+    return x if math.isfinite(x) else None
+
+
+def _header(opts, topo, model, nranks, impls):
+    where = (f"topology {topo.name} ({opts.topology}"
+             + (f", network links scaled by {opts.scale:g}" if opts.scale else "") + ")" if topo is not None
+             else f"flat topology of {nranks} ranks (no topology file)")
+    emulated = os.environ.get("DDL_EMULATED_CLUSTER")
+    names = []
+    for impl in impls:
+        names.append(impl.name if impl.kind == "ddl" else f"{impl.name} ({impl.library})")
+    lines = [f"# ddl bench: allreduce on {nranks} ranks, {where}"
+             + (f", emulated cluster {emulated!r}" if emulated else ""),
+             f"# {opts.dtype}, {opts.op}; {opts.iters} iterations (+{opts.warmup} warm-up) per size and "
+             f"implementation; time = median over iterations of the slowest rank (barrier before each)",
+             f"# implementations: {', '.join(names)}",
+             "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm"]
+    title = f"allreduce {opts.dtype}, {nranks} ranks, " + (topo.name if topo is not None else "flat")
+    return {"lines": lines, "title": title}
+
+
+_WIDTHS = (12, 11, 8, 6, 10, 10, 10, 10, 7, 18, 10, 10, 7, 8)
+_LEFT = (4, 9)  # impl and algorithm are left-aligned
+
+
+def widths_for(names):
+    """Column widths, the impl column as wide as the longest implementation name."""
+    w = list(_WIDTHS)
+    w[4] = max(w[4], *(len(n) for n in names)) if names else w[4]
+    return tuple(w)
+
+
+def _line(cells, widths):
+    return " ".join(f"{c:<{w}}" if i in _LEFT else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def _table_header(widths=_WIDTHS):
+    units = ["(B)", "(elements)", "", "", "", "(median)", "(GB/s)", "(GB/s)", "", "", "", "", "", ""]
+    return "#" + _line(COLUMNS, widths)[1:] + "\n" + ("#" + _line(units, widths)[1:]).rstrip()
+
+
+def _bw(x):
+    return "-" if x is None else f"{x / 1e9:.4g}"
+
+
+def format_row(row, widths=_WIDTHS):
+    """One table line (nccl-tests columns, then ddl's prediction and the bound)."""
+    pred, bound, t = row["predicted_seconds"], row["bound_seconds"], row["seconds"]
+    cells = [str(row["bytes"]), str(row["count"]), row["dtype"].replace("float32", "float"), row["op"],
+             row["impl"], format_seconds(t), _bw(row["algbw"]), _bw(row["busbw"]), str(row["wrong"]),
+             row["algorithm"] if row["impl"].startswith("ddl") else "-",
+             format_seconds(pred) if pred else "-", format_seconds(bound) if bound else "-",
+             f"{t / pred:.2f}" if pred else "-", f"{t / bound:.2f}" if bound else "-"]
+    return _line(cells, widths)
+
+
+def print_summary(rows, out):
+    """nccl-tests' footer, and ddl's speed-up over each peer at each size."""
+    bad = sum(r["wrong"] for r in rows)
+    print(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
+    by_impl = {}
+    for r in rows:
+        if r["busbw"] is not None:
+            by_impl.setdefault(r["impl"], []).append(r["busbw"])
+    if by_impl:
+        print("# avg bus bandwidth (GB/s): " + ", ".join(f"{k} {sum(v) / len(v) / 1e9:.4g}"
+                                                       for k, v in by_impl.items()), file=out)
+    for nbytes in sorted({r["bytes"] for r in rows}):
+        at = {r["impl"]: r for r in rows if r["bytes"] == nbytes}
+        ddl_row = at.get("ddl")
+        peers = [r for r in at.values() if not r["impl"].startswith("ddl")]
+        if ddl_row and peers and ddl_row["seconds"] > 0:
+            ups = ", ".join(f"{p['seconds'] / ddl_row['seconds']:.2f}x {p['impl']}'s speed" for p in peers)
+            print(f"# ddl ({ddl_row['algorithm']}) at {format_size(nbytes)}: {ups}", file=out)
+
+
+def plot(rows, path, title=""):
+    """Bus bandwidth against size, one line per implementation (matplotlib, Agg)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise Error("--plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    impls = []
+    for r in rows:
+        if r["impl"] not in impls:
+            impls.append(r["impl"])
+    for name in impls:
+        pts = [(r["bytes"], (r["busbw"] or 0) / 1e9) for r in rows if r["impl"] == name]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise Error(f"--plot {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,183 @@
+"""``ddl bench``: nccl-tests-style allreduce benchmark of ddl against MPI_Allreduce and gloo.
+
+    mpiexec -n 8 ddl bench topologies/emulated-2rack.yaml --bytes 8:64MiB --peers mpi,gloo
+    ddl bench topologies/emulated-2rack.yaml                 # launches mpiexec -n 8 itself
+    ddl bench topologies/emulated-2rack.yaml --emulate --bytes 64MiB --iters 3 --peers mpi,gloo --json
+
+Where it runs:
+
+* under ``mpiexec`` (PMI variables set): every rank runs the benchmark (:mod:`ddl.bench`);
+* ``--emulate``: re-launches itself as ``ddl emulate run FILE -- <python> -m ddl bench FILE <same
+  options>``, so the ranks run on the emulated cluster (needs root);
+* otherwise, when the topology has more than one rank: re-launches itself with ``mpiexec -n <ranks>``
+  on this machine (and says so).
+"""
+import os
+import subprocess
+import sys
+
+from ..errors import Error
+
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "bench", help="benchmark allreduce: ddl against MPI_Allreduce and gloo (nccl-tests style)",
+        description="Allreduce benchmark in the style of nccl-tests: for each size, time ddl (auto and "
+                    "any --algorithms) and the peers (--peers mpi,gloo) on the same buffers, check "
+                    "every result exactly, and report time, algbw, busbw and #wrong, with ddl's "
+                    "predicted time and the lower bound. Run it under mpiexec, or alone (it launches "
+                    "mpiexec itself), or with --emulate on the emulated cluster of FILE. "
+                    "Exit status 1 when a result is wrong, 2 on a usage error.")
+    p.add_argument("file", nargs="?", metavar="FILE",
+                   help="topology file (default: $DDL_TOPOLOGY; under mpiexec without one, a flat topology)")
+    p.add_argument("-b", "--bytes", default="64MiB", metavar="SIZES",
+                   help="sizes: 64MiB, a list 8,1MiB,64MiB or a range MIN:MAX[:FACTOR] such as 8:64MiB "
+                        "(powers of two) (default 64MiB)")
+    p.add_argument("-e", "--max-bytes", default=None, metavar="SIZE",
+                   help="with a single --bytes: the end of the range (nccl-tests -b/-e/-f)")
+    p.add_argument("-f", "--factor", default=None, metavar="F",
+                   help="multiplication step of ranges (default 2)")
+    p.add_argument("-n", "--iters", default="5", metavar="N", help="timed iterations per size (default 5)")
+    p.add_argument("-w", "--warmup", default="1", metavar="N",
+                   help="untimed iterations per size and implementation (default 1)")
+    p.add_argument("--dtype", default="float32", metavar="TYPE",
+                   help="float32 (default), float64, int32 or int64")
+    p.add_argument("--op", default="sum", metavar="OP", help="sum (default), max or min")
+    p.add_argument("--algorithms", default="auto", metavar="LIST",
+                   help="ddl algorithms besides auto, comma-separated (ring, halving-doubling, "
+                        "double-binary-tree, hierarchical)")
+    p.add_argument("--peers", default="mpi", metavar="LIST",
+                   help="peers to compare with: mpi, gloo, both (mpi,gloo) or none (default mpi)")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="write bus bandwidth against size, one line per implementation")
+    p.add_argument("--progress", dest="progress", action="store_const", const=True, default=None,
+                   help="always show progress on stderr (default: only for runs longer than a few seconds)")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                   help="never show progress")
+    p.add_argument("--emulate", action="store_true",
+                   help="run on the emulated cluster of FILE (ddl emulate run; needs root)")
+    p.add_argument("--scale", default=None, metavar="F",
+                   help="the network runs at F times FILE's link bandwidths: with --emulate the emulator "
+                        "builds it so (ddl emulate run --scale F); inside `ddl emulate run --scale F` "
+                        "pass the same F. ddl plans, predicts and bounds for the scaled network")
+    p.add_argument("--no-rate-check", action="store_true",
+                   help="with --emulate: skip the emulator's point-to-point rate self-check")
+    p.add_argument("--nranks", default=None, metavar="N",
+                   help="without FILE and outside mpiexec: ranks to launch on a flat topology")
+    p.set_defaults(func=cmd_bench)
+
+
+def under_mpi():
+    """True when started by an MPI launcher (checked without initialising MPI)."""
+    return any(k in os.environ for k in _MPI_ENV)
+
+
+def cmd_bench(args):
+    from .. import bench
+
+    file = args.file or os.environ.get("DDL_TOPOLOGY") or None
+    opts = bench.options(topology=file, bytes=args.bytes, max_bytes=args.max_bytes, factor=args.factor,
+                         iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op,
+                         algorithms=args.algorithms, peers=args.peers, json=args.json, plot=args.plot,
+                         progress=args.progress, scale=args.scale)
+    if args.no_rate_check and not args.emulate:
+        raise Error("--no-rate-check applies to --emulate only")
+    if args.nranks is not None and (file or under_mpi() or args.emulate):
+        raise Error("--nranks is for runs without a topology file outside mpiexec "
+                    "(the topology, or mpiexec -n, fixes the rank count)")
+    if args.emulate:
+        if under_mpi():
+            raise Error("--emulate starts its own MPI job on the emulated cluster: run `ddl bench FILE "
+                        "--emulate` without mpiexec")
+        if not file:
+            raise Error("--emulate needs a topology FILE")
+        return _relaunch_emulated(opts, args.no_rate_check)
+    if not under_mpi():
+        if file:
+            from ..topology import Topology
+            n = Topology.load(file).nranks
+        else:
+            n = bench._parse_int(args.nranks, "--nranks", minimum=1) if args.nranks is not None else 1
+        if n > 1:
+            return _relaunch_mpiexec(opts, n)
+    return _run_here(opts)
+
+
+def _run_here(opts):
+    """Inside one MPI rank. Errors print once (rank 0) when every rank raises them alike."""
+    from mpi4py import MPI
+
+    from .. import bench
+    world = MPI.COMM_WORLD
+    try:
+        return bench.run(opts, world)
+    except Error:
+        if world.rank == 0:
+            raise
+        return 2  # the same error on every rank: rank 0 says it
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        if world.size > 1:  # a bug on one rank must not leave the others waiting forever
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            world.Abort(1)
+        raise
+
+
+def forward_argv(opts):
+    """The options of ``opts`` as ``ddl bench`` arguments (sizes spelled out; paths absolute)."""
+    argv = ([opts.topology] if opts.topology else []) + [
+        "--bytes", ",".join(str(n) for n in opts.sizes), "--iters", str(opts.iters),
+        "--warmup", str(opts.warmup), "--dtype", opts.dtype, "--op", opts.op,
+        "--algorithms", ",".join(opts.algorithms), "--peers", ",".join(opts.peers) or "none"]
+    if opts.json:
+        argv.append("--json")
+    if opts.plot:
+        argv += ["--plot", opts.plot]
+    if opts.scale is not None:
+        argv += ["--scale", repr(opts.scale)]
+    if opts.progress is not None:
+        argv.append("--progress" if opts.progress else "--no-progress")
+    return argv
+
+
+def _relaunch_mpiexec(opts, n):
+    from ..emulate.launch import find_mpiexec
+    cmd = [find_mpiexec(), "-n", str(n), sys.executable, "-m", "ddl", "bench", *forward_argv(opts)]
+    print(f"ddl bench: not under mpiexec: launching {n} ranks on this machine: "
+          f"mpiexec -n {n} {os.path.basename(sys.executable)} -m ddl bench ... "
+          f"(use --emulate for the emulated cluster)", file=sys.stderr, flush=True)
+    return _child(cmd)
+
+
+def _relaunch_emulated(opts, no_rate_check):
+    scale = opts.scale
+    cmd = [sys.executable, "-m", "ddl", "emulate", "run", opts.topology]
+    if scale is not None:
+        cmd += ["--scale", repr(scale)]
+    if no_rate_check:
+        cmd.append("--no-check")
+    cmd += ["--", sys.executable, "-m", "ddl", "bench", *forward_argv(opts)]
+    print(f"ddl bench: running on the emulated cluster: ddl emulate run {opts.topology}"
+          f"{f' --scale {scale:g}' if scale is not None else ''} -- python -m ddl bench ...",
+          file=sys.stderr, flush=True)
+    return _child(cmd)
+
+
+def _child(cmd):
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise

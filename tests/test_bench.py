@@ -1,0 +1,189 @@
+"""``ddl bench``: real small runs under mpiexec (table, JSON, plot, gloo or its absence), argument errors."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddl import Error
+from ddl.bench import expected, parse_sizes, pattern
+from ddl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+
+TWO_RANKS = """name: flat-2
+nodes:
+  - {id: sw, kind: switch}
+  - {id: "r{i}", kind: cpu, for: {i: 2}}
+links:
+  - {a: "r{i}", b: sw, bandwidth: 10 Gbit/s, latency: 10 us, for: {i: 2}}
+ranks:
+  - {id: "r{i}", for: {i: 2}}
+"""
+ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(\S+)\s+([\d.]+ (?:ns|us|ms|s))\s+(\S+)\s+(\S+)\s+(\d+)\s")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Environment of the runs: no MPI launcher variables, a private plan cache."""
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "DDL_TOPOLOGY"))}
+    e["DDL_CACHE_DIR"] = str(tmp_path_factory.mktemp("plans"))
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+@pytest.fixture(scope="module")
+def topo_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("topo") / "flat-2.yaml"
+    path.write_text(TWO_RANKS)
+    return str(path)
+
+
+def bench(args, env, mpi=2, timeout=90):
+    cmd = ([MPIEXEC, "-n", str(mpi)] if mpi else []) + [sys.executable, "-m", "ddl", "bench", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---- real runs --------------------------------------------------------------------------------------------
+@needs_mpi
+def test_table_and_plot_under_mpiexec(topo_file, env, tmp_path):
+    png = tmp_path / "busbw.png"
+    p = bench([topo_file, "--bytes", "8:4KiB:8", "--iters", "2", "--warmup", "1", "--peers", "mpi",
+               "--algorithms", "ring", "--plot", str(png)], env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    head = next(line for line in lines if line.startswith("#") and "#wrong" in line)
+    assert head.split()[1:10] == ["size", "count", "type", "redop", "impl", "time", "algbw", "busbw", "#wrong"]
+    rows = [ROW.match(line) for line in lines if not line.startswith("#")]
+    assert rows and all(rows), p.stdout
+    got = {(int(m.group(1)), m.group(5)) for m in rows}
+    assert got == {(n, impl) for n in (8, 64, 512, 4096) for impl in ("ddl", "ddl:ring", "mpi")}
+    for m in rows:
+        assert int(m.group(2)) == int(m.group(1)) // 4 and m.group(3) == "float" and m.group(4) == "sum"
+        assert m.group(9) == "0"  # #wrong
+        assert float(m.group(7)) > 0 and float(m.group(8)) > 0  # algbw, busbw (busbw = algbw on 2 ranks)
+    assert "# out of bounds values: 0 OK" in p.stdout
+    assert "topology flat-2" in p.stdout
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@needs_mpi
+def test_json_fields_launching_mpiexec_itself(topo_file, env):
+    p = bench([topo_file, "--bytes", "64", "--max-bytes", "1KiB", "--factor", "4", "--iters", "3",
+               "--peers", "mpi", "--json"], env, mpi=None)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "launching 2 ranks on this machine" in p.stderr
+    rows = json.loads(p.stdout)
+    assert [(r["impl"], r["bytes"]) for r in rows] == [(i, n) for n in (64, 256, 1024) for i in ("ddl", "mpi")]
+    for r in rows:
+        for key in ("impl", "bytes", "seconds", "algbw", "busbw", "correct", "wrong", "count", "times",
+                    "predicted_seconds", "bound_seconds"):
+            assert key in r
+        assert r["correct"] is True and r["wrong"] == 0 and r["nranks"] == 2 and r["topology"] == "flat-2"
+        assert len(r["times"]) == 3 and r["seconds"] == sorted(r["times"])[1]
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
+        assert r["busbw"] == pytest.approx(r["algbw"])  # 2(p-1)/p = 1 on 2 ranks
+        assert r["bound_seconds"] > 0
+        if r["impl"] == "ddl":
+            assert r["predicted_seconds"] >= r["bound_seconds"] * 0.999 and r["algorithm"]
+        else:
+            assert r["predicted_seconds"] is None
+
+
+@needs_mpi
+def test_gloo_skipped_with_a_note_without_torch(topo_file, env, tmp_path):
+    stub = tmp_path / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    e = dict(env, PYTHONPATH=os.pathsep.join([str(stub.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    p = bench([topo_file, "--bytes", "1KiB", "--iters", "1", "--peers", "mpi,gloo", "--json"], e)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stderr.count("gloo skipped: torch cannot be imported") == 1, p.stderr
+    assert "pip install torch" in p.stderr
+    assert sorted(r["impl"] for r in json.loads(p.stdout)) == ["ddl", "mpi"]
+
+
+@needs_mpi
+def test_gloo_peer_with_torch(topo_file, env):
+    pytest.importorskip("torch.distributed")
+    p = bench([topo_file, "--bytes", "4KiB", "--iters", "2", "--peers", "gloo", "--json"], env, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["impl"]: r for r in json.loads(p.stdout)}
+    assert set(rows) == {"ddl", "gloo"} and rows["gloo"]["correct"] and rows["gloo"]["seconds"] > 0
+    assert "gloo" in rows["gloo"]["algorithm"]
+
+
+@needs_mpi
+def test_rank_count_mismatch_is_one_clean_error(env):
+    p = bench([str(ROOT / "topologies/emulated-flat.yaml"), "--bytes", "8"], env)
+    assert p.returncode == 2
+    assert p.stderr.count("ddl: error:") == 1 and "has 8 ranks but this MPI job has 2" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# ---- argument errors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--bytes", "lots"], "cannot parse size"),
+    (["--bytes", "1MiB:8"], "below its start"),
+    (["--bytes", "8", "--max-bytes", "64", "--factor", "1"], "--factor must be at least 2"),
+    (["--bytes", "8,64", "--max-bytes", "1MiB"], "--max-bytes needs a single"),
+    (["--iters", "0"], "--iters must be at least 1"),
+    (["--warmup", "x"], "--warmup must be a whole number"),
+    (["--dtype", "float8"], "--dtype 'float8' is not supported"),
+    (["--op", "prod"], "--op 'prod' is not supported"),
+    (["--peers", "nccl"], "--peers: unknown name 'nccl'"),
+    (["--algorithms", "magic"], "--algorithms: unknown name 'magic'"),
+    (["--plot", "/nonexistent-dir/x.png"], "does not exist"),
+    (["--plot", "out.txt"], "write a .png"),
+    (["--scale", "-1"], "--scale must be a positive number"),
+    (["--no-rate-check"], "--no-rate-check applies to --emulate only"),
+])
+def test_argument_errors_exit_2_with_one_line(args, message, topo_file, capsys, monkeypatch):
+    for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["bench", topo_file, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddl: error:") and err.count("\n") == 1 and message in err, err
+
+
+def test_missing_file_and_emulate_under_mpi(capsys, monkeypatch):
+    assert main(["bench", "no-such.yaml"]) == 2
+    assert "no-such.yaml: no such topology file" in capsys.readouterr().err
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert main(["bench", str(ROOT / "topologies/emulated-flat.yaml"), "--emulate"]) == 2
+    assert "without mpiexec" in capsys.readouterr().err
+
+
+def test_cli_error_has_no_traceback(env):
+    p = subprocess.run([sys.executable, "-m", "ddl", "bench", "--bytes", "8:", "--iters", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("ddl: error: --bytes") and p.stderr.count("\n") == 1, p.stderr
+
+
+# ---- pure helpers ------------------------------------------------------------------------------------------
+def test_size_ranges():
+    assert parse_sizes("8:64") == [8, 16, 32, 64]
+    assert parse_sizes("8", "32MiB", "4")[-1] == 32 << 20 and parse_sizes("8", "64MiB", "4")[:3] == [8, 32, 128]
+    assert parse_sizes("1KiB:4KiB:4,64MiB,1KiB") == [1024, 4096, 64 << 20]
+    assert parse_sizes("8:100") == [8, 16, 32, 64]
+    with pytest.raises(Error, match="at most 64"):
+        parse_sizes("1:1GiB,3:3GiB,5:5GiB")
+    with pytest.raises(Error, match="start above 0"):
+        parse_sizes("0:8")
+
+
+def test_pattern_sums_are_exact():
+    import numpy as np
+    for dtype in ("float32", "int32"):
+        total = sum(pattern(1000, r, dtype).astype(np.float64) for r in range(8))
+        assert np.array_equal(total, expected(1000, 8, dtype, "sum"))
+        assert np.array_equal(np.maximum.reduce([pattern(1000, r, dtype) for r in range(8)]),
+                              expected(1000, 8, dtype, "max"))
