@@ -8,13 +8,16 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``ring`` -- topology-aware ring (NCCL-style order), all four collectives;
 * ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
-* ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives.
+* ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives;
+* ``multicommodity-flow`` -- the best base schedule with its transfers routed by a min-cost
+  multi-commodity flow LP over every physical path (IBM DDL, TE-CCL).
 
 Simpler algorithms are listed first: the planner breaks ties in favour of the earlier one.
 """
 from .double_binary_tree import dbt_schedule, double_binary_tree
 from .halving_doubling import halving_doubling, halving_doubling_schedule
 from .hierarchical import hierarchical, hierarchical_schedule
+from .multicommodity_flow import multicommodity_flow
 from .ring import ring, ring_order, ring_schedule
 
 ALGORITHMS = {
@@ -22,7 +25,8 @@ ALGORITHMS = {
     "halving-doubling": halving_doubling,
     "double-binary-tree": double_binary_tree,
     "hierarchical": hierarchical,
+    "multicommodity-flow": multicommodity_flow,
 }
 
-__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "ring_order",
+__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]
