@@ -1,0 +1,751 @@
+"""Flow-level simulation of a schedule on a topology: how long it takes and which links it loads.
+
+Model
+=====
+The simulator replays the schedule's dataflow (the same rules executors and the verifier follow, see
+:mod:`ddl.schedule`) in continuous time.
+
+* **Readiness.** An operation is *ready* when every operation in ``schedule.dependencies`` is complete.
+* **Transfers.** A send and its matched receive (``schedule.matches``) form one transfer of
+  ``chunk_fraction(c) * nbytes`` bytes. It starts as soon as the *send* is ready: executors post their
+  receives early into scratch space, so the sender never waits for the receiver.
+* **Routes.** A transfer from rank ``s`` to ``d`` follows ``schedule.routes[(s, d)]`` (``(path, share)``
+  pairs; shares are normalised to sum to 1) when the schedule pins it, else ``topo.routes(s, d)`` split
+  evenly. Every path with a non-zero share is a separate *fluid flow* of ``share * bytes`` bytes over the
+  directed links ``(u, v)`` of the path, each of capacity ``topo.capacity(u, v)``.
+* **Bandwidth sharing.** Flows that are active at the same time share every link *max-min fairly*
+  (progressive filling: all unfrozen flows grow at the same rate, a link that fills up freezes the flows
+  through it). Rates are recomputed only when the set of active flows changes; flows that drain, and
+  events that fire, within a relative ``1e-9`` of each other are handled as one event (at the latest of
+  their times), so a symmetric step of ``p`` flows costs one rate computation, not ``p``.
+* **Latency.** A transfer's data *arrives* one path latency after its last byte leaves:
+  ``arrival = drain end + latency``, the latency of a path being the sum of its links' latencies and,
+  with several paths, the largest among those with a non-zero share. Bandwidth and latency thus
+  pipeline (cut-through), as they do on real fabrics.
+* **Completion.** A send completes when its data has arrived (so a later overwrite of that chunk waits,
+  which is the executor's write-after-read rule). A ``recv`` completes at ``max(arrival, its own
+  dependencies complete)``. A ``reduce`` then also needs ``bytes / topo.reduce_bandwidth(rank)`` on the
+  rank's single compute engine: reductions of one rank run one at a time, first come first served in the
+  order they became ready, starting at ``max(arrival, dependencies complete, engine free)``.
+* **Empty chunks.** Executors skip zero-byte chunks on both sides (no message is sent), so a zero-byte
+  transfer or reduction takes no time at all; it still orders the operations that depend on it.
+* The makespan (``seconds``) is the completion time of the last operation; an empty schedule (one rank,
+  or nothing to do) takes 0 seconds.
+
+Why the prediction is never optimistic
+--------------------------------------
+The simulated execution is itself a feasible execution on the modelled fabric: at every instant the
+rates of the flows through a link sum to at most its capacity (progressive filling never hands out more
+than a link's residual capacity), every byte of every chunk is carried over every link of its route,
+and every message pays the full latency of its path after its last byte is sent, on top of the time its
+dependencies took. Nothing is ever done earlier than the dataflow allows; the only approximation,
+merging events within ``1e-9`` relative time, always moves events *later*. So any lower bound that holds
+for every execution on the topology (cut/bandwidth bounds, latency bounds; :mod:`ddl.bounds`) also holds
+for the simulated time. The model can be *pessimistic* (max-min fair sharing is not the optimal rate
+allocation for the makespan; a multi-path transfer waits for its slowest path plus its largest latency),
+never the other way round.
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ScheduleError
+
+__all__ = ["Simulation", "simulate", "max_min_rates"]
+
+# Relative tolerance within which drains and events are merged, and link shares count as equal.
+RTOL = 1e-9
+# Absolute floor of that tolerance, in seconds.
+ATOL = 1e-18
+# Regions of more bundles than this get their rates from numpy, smaller ones in plain Python.
+NUMPY_BUNDLES = 48
+# Relative slack of the optimality checks of the rate repair (see _repair).
+_CHECK = 1e-7
+
+_SEND, _RECV, _REDUCE = 0, 1, 2
+_KIND = {"send": _SEND, "recv": _RECV, "reduce": _REDUCE}
+_NAMES = ("send", "recv", "reduce")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Result of :func:`simulate`.
+
+    ``seconds``: makespan. ``link_bytes``: ``{(u, v): bytes}`` carried by every directed link that
+    carried any. ``link_utilisation``: ``{(u, v): bytes / (capacity * seconds)}`` (0 when ``seconds`` is
+    0). ``busiest``: the 5 most utilised links as ``((u, v), utilisation, bytes)``, most utilised first.
+    ``transfers``: number of matched send/receive pairs in the schedule (empty ones included).
+    ``events``: number of rate recomputations (what the simulation itself cost).
+    """
+
+    seconds: float
+    link_bytes: dict = field(default_factory=dict)
+    link_utilisation: dict = field(default_factory=dict)
+    busiest: list = field(default_factory=list)
+    transfers: int = 0
+    events: int = 0
+
+    def __repr__(self):
+        return f"Simulation({self.seconds:.6g} s, {self.transfers} transfers, {len(self.link_bytes)} links)"
+
+
+def simulate(topo, schedule, nbytes):
+    """Simulate ``schedule`` on ``topo`` for a buffer of ``nbytes`` bytes; see the module docstring.
+
+    ``nbytes`` is the whole buffer as in :meth:`Schedule.chunk_ranges` (the big buffer of reduce-scatter
+    and allgather). Raises :class:`ddl.ScheduleError` when the schedule does not fit the topology
+    (rank count, routes over missing links) or deadlocks.
+    """
+    try:
+        nbytes = float(nbytes)
+    except (TypeError, ValueError):
+        raise ScheduleError(f"buffer size must be a number of bytes, got {nbytes!r}") from None
+    if not 0 <= nbytes < math.inf:
+        raise ScheduleError(f"buffer size must be a non-negative number of bytes, got {nbytes!r}")
+    if schedule.nranks != topo.nranks:
+        raise ScheduleError(f"schedule for {schedule.nranks} ranks on a topology of {topo.nranks} ranks")
+    return _Run(topo, schedule, nbytes).run()
+
+
+def max_min_rates(flow_links, capacity, weights=None, bottlenecks=False):
+    """Weighted max-min fair rates by progressive filling (numpy).
+
+    ``flow_links``: int array ``(nflows, hops)`` of link indices, padded with -1; ``capacity``: float
+    array of every link's capacity; ``weights``: how many unit flows each row stands for (default 1).
+    Returns the rate of one unit flow of every row: row ``i`` takes ``weights[i] * rate[i]`` of every
+    link it crosses, and these never sum to more than a link's capacity. Rows without links get ``inf``.
+    With ``bottlenecks=True`` returns ``(rates, links)``: for every row a link (index into
+    ``capacity``) that is saturated and on which no row is faster (-1 for rows without links).
+    """
+    nflows = flow_links.shape[0]
+    rate = np.zeros(nflows)
+    neck = np.full(nflows, -1, dtype=np.int64)
+    if nflows == 0:
+        return (rate, neck) if bottlenecks else rate
+    w = np.ones(nflows) if weights is None else np.asarray(weights, dtype=float)
+    mask = flow_links >= 0
+    entry_flow = np.nonzero(mask)[0]
+    entry_link = flow_links[mask]
+    links, entry_local = np.unique(entry_link, return_inverse=True)
+    nlinks = len(links)
+    residual = np.asarray(capacity, dtype=float)[links]
+    frozen = np.bincount(entry_flow, minlength=nflows) == 0
+    rate[frozen] = math.inf
+    entry_w = w[entry_flow]
+    load = np.bincount(entry_local, weights=entry_w, minlength=nlinks)
+    level = 0.0
+    while not frozen.all():
+        live = load > 0
+        share = np.full(nlinks, math.inf)
+        np.divide(residual, load, out=share, where=live)
+        delta = share.min()
+        level += delta
+        saturated = live & (share <= delta * (1.0 + RTOL))
+        residual -= delta * load
+        residual[saturated] = 0.0
+        np.maximum(residual, 0.0, out=residual)
+        sel = saturated[entry_local] & ~frozen[entry_flow]
+        hit = entry_flow[sel]
+        rate[hit] = level
+        neck[hit] = links[entry_local[sel]]
+        frozen[hit] = True
+        load = np.bincount(entry_local, weights=entry_w * ~frozen[entry_flow], minlength=nlinks)
+    return (rate, neck) if bottlenecks else rate
+
+
+def _repair(region, st, now):
+    """Bring the max-min fair rates up to date after the bundles in ``region`` changed.
+
+    Rates are recomputed for ``region`` with every other bundle's usage held fixed; then the
+    optimality conditions of max-min fairness are checked where the new rates could break them: every
+    bundle needs a *bottleneck*, a saturated link of its path on which no flow is faster. Bundles that
+    fail join the region and it is filled again, until everything checks out. Before the change every
+    bundle had such a bottleneck, so only links the region crosses need checking. The result is the
+    unique max-min fair allocation (up to the slack ``_CHECK`` of the checks), but the work stays near
+    the change instead of spanning every bundle that shares a link, transitively, with it. Updates the
+    state in place (settling virtual time at ``now`` before a rate changes) and returns the bundles
+    whose rate changed.
+    """
+    rate, weight, links_of, link_bundles = st.rate, st.m, st.links, st.link_bundles
+    bottleneck, held, load, capacity = st.bottleneck, st.held, st.load, st.cap
+    b_v, b_t = st.v, st.t
+    changed = set()
+    check = _CHECK
+    while True:
+        new, neck, members = _fill_region(region, links_of, weight, rate, load, capacity)
+        for b, r in new.items():
+            old = rate[b]
+            if r != old:
+                b_v[b] += old * (now - b_t[b])
+                b_t[b] = now
+                rate[b] = r
+                delta = weight[b] * (r - old)
+                for l in links_of[b]:
+                    load[l] += delta
+                changed.add(b)
+            l = neck[b]
+            o = bottleneck[b]
+            if l != o:
+                if o >= 0:
+                    held[o].discard(b)
+                held[l].add(b)
+                bottleneck[b] = l
+        failed = set()
+        # (i) no bundle outside the region may be faster on a region bundle's bottleneck
+        slowest = {}
+        for b in region:
+            l = neck[b]
+            r = rate[b]
+            if r < slowest.get(l, math.inf):
+                slowest[l] = r
+        for l, r in slowest.items():
+            on = link_bundles[l]
+            if len(on) > len(members[l]):
+                top = r * (1.0 + check)
+                for x in on:
+                    if rate[x] > top and x not in region:
+                        failed.add(x)
+        # (ii) bundles outside the region held back on a link the region crosses: the link must still
+        # be full, and no region bundle on it faster (outside bundles there were not, and kept their rates)
+        for l, mem in members.items():
+            hl = held[l]
+            if not hl:
+                continue
+            out = [x for x in hl if x not in region]
+            if not out:
+                continue
+            if load[l] < capacity[l] * (1.0 - check):
+                failed.update(out)
+            else:
+                floor = max(rate[x] for x in mem) * (1.0 - check)
+                failed.update(x for x in out if rate[x] < floor)
+        if not failed:
+            return changed
+        region = region | failed
+
+
+def _private_change(b, rate, st):
+    """Whether bundle ``b``, whose bottleneck is a link only it uses, may just take per-flow ``rate``.
+
+    Its total rate stays that link's capacity, so no link's load changes. Slower flows break no
+    other bundle's bottleneck; faster ones must not overtake a bundle held back on a link they share.
+    """
+    if rate <= st.rate[b]:
+        return True
+    floor = rate * (1.0 - _CHECK)
+    rates, held = st.rate, st.held
+    for l in st.links[b]:
+        for x in held[l]:
+            if x != b and rates[x] < floor:
+                return False
+    return True
+
+
+def _fill_region(region, bundle_links, weight, rate, load, capacity):
+    """Weighted max-min fair rates of ``region`` with the usage of every other bundle held fixed.
+
+    ``load[l]`` is the current usage of link ``l`` by all bundles. Returns ``({bundle: per-flow rate},
+    {bundle: bottleneck link}, {link: region bundles on it})``. A link that carries one bundle of the
+    region only caps that bundle, so only links shared within the region take part in the (Python)
+    filling; large regions go to :func:`max_min_rates` (numpy).
+    """
+    members = {}
+    for b in region:
+        for l in bundle_links[b]:
+            mem = members.get(l)
+            if mem is None:
+                members[l] = [b]
+            else:
+                mem.append(b)
+    residual = {}
+    for l, mem in members.items():
+        used = load[l]
+        for x in mem:
+            used -= weight[x] * rate[x]
+        r = capacity[l] - used
+        residual[l] = r if r > 0.0 else 0.0
+    if len(region) > NUMPY_BUNDLES:
+        order = list(region)
+        links = list(residual)
+        index = {l: i for i, l in enumerate(links)}
+        hops = max(len(bundle_links[b]) for b in order)
+        mat = np.full((len(order), hops), -1, dtype=np.int64)
+        for k, b in enumerate(order):
+            ids = bundle_links[b]
+            mat[k, :len(ids)] = [index[l] for l in ids]
+        rates, neck = max_min_rates(mat, np.array([residual[l] for l in links]), [weight[b] for b in order],
+                                    bottlenecks=True)
+        return (dict(zip(order, rates.tolist())), {b: links[i] for b, i in zip(order, neck.tolist())}, members)
+    # Progressive filling as a sequence of events in the common level: a bundle reaches the cap of
+    # the links it has to itself, or a shared link fills up (at level remaining / unfrozen flows).
+    heappush, heappop = heapq.heappush, heapq.heappop
+    todo = []                      # (level, kind, id): kind 0 = bundle cap, 1 = shared link full
+    at_cap = {}
+    for b in region:
+        lim, at = math.inf, -1
+        for l in bundle_links[b]:
+            if len(members[l]) == 1:
+                c = residual[l]
+                if c < lim:
+                    lim, at = c, l
+        if at >= 0:
+            todo.append((lim / weight[b], 0, b))
+            at_cap[b] = at
+    flows = {}                     # shared link -> unfrozen flows on it
+    for l, mem in members.items():
+        if len(mem) > 1:
+            w = 0
+            for x in mem:
+                w += weight[x]
+            flows[l] = w
+            todo.append((residual[l] / w, 1, l))
+    heapq.heapify(todo)
+    rates, neck = {}, {}
+    left = len(region)
+    while left:
+        level, what, x = heappop(todo)
+        if what == 0:
+            if x in rates:
+                continue
+            frozen, at = (x,), at_cap[x]
+        else:
+            w = flows.get(x)
+            if w is None or level != residual[x] / w:      # stale: the link changed since
+                continue
+            del flows[x]
+            frozen, at = [b for b in members[x] if b not in rates], x
+        for b in frozen:
+            rates[b] = level
+            neck[b] = at
+            left -= 1
+            w = weight[b]
+            use = w * level
+            for l in bundle_links[b]:
+                c = flows.get(l)
+                if c is not None:
+                    c -= w
+                    r = residual[l] - use
+                    residual[l] = r if r > 0.0 else 0.0
+                    if c:
+                        flows[l] = c
+                        nxt = residual[l] / c
+                        heappush(todo, (nxt if nxt > level else level, 1, l))
+                        if nxt < level:
+                            residual[l] = level * c
+                    else:
+                        del flows[l]
+    return rates, neck, members
+
+
+class _Fabric:
+    """Directed links and bundles (distinct paths) the schedule uses, indexed, with per-pair routes."""
+
+    def __init__(self, topo, schedule):
+        self.topo, self.schedule = topo, schedule
+        self.index = {}
+        self.keys, self.caps, self.lats = [], [], []
+        self.bundle_links = []         # bundle -> tuple of link indices
+        self.pairs = {}
+
+    def link(self, u, v, where):
+        i = self.index.get((u, v))
+        if i is None:
+            cap = float(self.topo.capacity(u, v))
+            if not cap > 0:
+                raise ScheduleError(f"{where}: route uses {u!r} -> {v!r}, which is not a link of the topology")
+            i = self.index[(u, v)] = len(self.keys)
+            self.keys.append((u, v))
+            self.caps.append(cap)
+            self.lats.append(float(self.topo.latency(u, v)))
+        return i
+
+    def route(self, src, dst):
+        """``(bundles, shares, latency)`` of the pair: one bundle per path with a non-zero share."""
+        r = self.pairs.get((src, dst))
+        if r is not None:
+            return r
+        where = f"route {src} -> {dst}"
+        pinned = self.schedule.routes.get((src, dst))
+        if pinned is None:
+            paths = tuple(self.topo.routes(src, dst))
+            if not paths:
+                raise ScheduleError(f"{where}: the topology has no route between these ranks")
+            paths = [(tuple(p), 1.0) for p in paths]
+        else:
+            try:
+                paths = [(tuple(p), float(w)) for p, w in pinned]
+            except (TypeError, ValueError):
+                raise ScheduleError(f"{where}: routes must be (path, share) pairs") from None
+            if any(not (0 <= w < math.inf) for _, w in paths):
+                raise ScheduleError(f"{where}: path shares must be finite and non-negative")
+        merged = {}
+        for p, w in paths:
+            if w > 0:
+                merged[p] = merged.get(p, 0.0) + w
+        total = sum(merged.values())
+        if not total > 0:
+            raise ScheduleError(f"{where}: no path has a positive share")
+        ends = (self.topo.ranks[src], self.topo.ranks[dst])
+        bundles, shares, latency = [], [], 0.0
+        for path, w in merged.items():
+            if len(path) < 2 or (path[0], path[-1]) != ends:
+                raise ScheduleError(f"{where}: path {list(path)} must run from {ends[0]!r} to {ends[1]!r}")
+            ids = tuple(self.link(u, v, where) for u, v in zip(path[:-1], path[1:]))
+            bundles.append(len(self.bundle_links))
+            self.bundle_links.append(ids)
+            shares.append(w / total)
+            latency = max(latency, sum(self.lats[i] for i in ids))
+        r = self.pairs[(src, dst)] = (bundles, shares, latency)
+        return r
+
+
+class _State:
+    """Bundles and links during a run (plain lists: the event loop reads them millions of times)."""
+
+    def __init__(self, fabric):
+        nb, nl = len(fabric.bundle_links), len(fabric.caps)
+        self.links = fabric.bundle_links       # bundle -> its links
+        self.cap = fabric.caps
+        self.m = [0] * nb                      # active flows of the bundle
+        self.v = [0.0] * nb                    # virtual time: bytes served per flow ...
+        self.t = [0.0] * nb                    # ... up to this time
+        self.rate = [0.0] * nb                 # bytes/s of each of its flows
+        self.bottleneck = [-1] * nb            # a full link of its path on which no flow is faster
+        self.link_bundles = [set() for _ in range(nl)]   # active bundles on each link
+        self.held = [set() for _ in range(nl)]           # bundles whose bottleneck it is
+        self.load = [0.0] * nl                 # bytes/s through each link
+
+
+class _Run:
+    def __init__(self, topo, schedule, nbytes):
+        self.topo, self.schedule, self.nbytes = topo, schedule, nbytes
+        self.fabric = _Fabric(topo, schedule)
+
+    def _flatten(self):
+        """Every op of every rank as one index: kind, rank, bytes, partner, open dependencies, dependents."""
+        s = self.schedule
+        programs, deps, matches = s.programs, s.dependencies, s.matches
+        base = [0] * (s.nranks + 1)
+        for r, prog in enumerate(programs):
+            base[r + 1] = base[r] + len(prog)
+        n = base[-1]
+        kind, rank, chunk, partner, waiting = [], [], [], [], []
+        dependents = [[] for _ in range(n)]
+        code = _KIND
+        for r, prog in enumerate(programs):
+            b = base[r]
+            kind.extend([code[op[0]] for op in prog])
+            chunk.extend([op[1] for op in prog])
+            rank.extend([r] * len(prog))
+            partner.extend([base[pr] + pi for pr, pi in matches[r]])
+            waiting.extend(map(len, deps[r]))
+            for i, d in enumerate(deps[r], b):
+                for j in d:
+                    dependents[b + j].append(i)
+        size = (s.chunk_fractions[np.array(chunk, dtype=np.int64)] * self.nbytes).tolist() if n else []
+        return n, kind, rank, size, partner, waiting, dependents
+
+    def run(self):
+        gc_was_enabled = gc.isenabled()
+        gc.disable()                   # millions of small containers: the cyclic GC only costs time here
+        try:
+            return self._run()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self):
+        topo, schedule, fabric = self.topo, self.schedule, self.fabric
+        n, kind, rank, size, partner, waiting, dependents = self._flatten()
+        if n == 0:
+            return Simulation(0.0)
+
+        # Route of every transfer (indexed by its send op), resolved up front.
+        route_of = {}
+        pair_bytes = {}
+        ntransfers = 0
+        send_route = [None] * n
+        for g in range(n):
+            if kind[g] == _SEND:
+                ntransfers += 1
+                key = (rank[g], rank[partner[g]])
+                r = route_of.get(key)
+                if r is None:
+                    r = route_of[key] = fabric.route(*key)
+                send_route[g] = r
+                if size[g] > 0:
+                    pair_bytes[key] = pair_bytes.get(key, 0.0) + size[g]
+        nranks = schedule.nranks
+        reduce_bw = [float(topo.reduce_bandwidth(r)) for r in range(nranks)]
+
+        # Operation state. Work items and events name an op g and what happens to it, packed in an int.
+        DONE, LAND, READY = 0, 1, 2            # work items: 4 * g + action
+        ENGINE = 1                             # timed events: (time, 2 * g + ENGINE) or (time, -batch)
+        now = 0.0
+        makespan = 0.0
+        completed = 0
+        finished = [False] * n
+        arrived = [False] * n          # recv/reduce: its data has arrived
+        deps_ready = [False] * n       # recv/reduce: its dependencies are complete
+        paths_left = [0] * n           # send: flows of its transfer still draining
+        heap = []                      # timed events
+        arrivals = []                  # batches of transfers whose data arrives at the same time
+        engine_busy = [False] * nranks
+        engine_queue = [deque() for _ in range(nranks)]
+
+        # Bundles: all active flows on one path get the same rate (max-min fairness is symmetric), so
+        # they are served in virtual time: b_v[b] bytes per flow had been served at time b_t[b], at
+        # b_rate[b] since. A flow drains when its bundle's virtual time reaches its key (virtual time at
+        # its start + its bytes); b_heap[b] holds the keys, bheap the bundles' next drain times.
+        st = _State(fabric)
+        bundle_links, link_bundles, link_load, held = st.links, st.link_bundles, st.load, st.held
+        b_m, b_v, b_t, b_rate, bottleneck = st.m, st.v, st.t, st.rate, st.bottleneck
+        nb = len(bundle_links)
+        cap = st.cap
+        b_ver = [0] * nb
+        b_flows = [deque() for _ in range(nb)]   # (key, send op) of the bundle's flows, in key order
+        bheap = []                     # (drain time of the bundle's next flow, bundle, version)
+        changed = set()                # bundles whose number of flows changed since the last rate update
+        repush = set()                 # bundles whose next drain time changed
+        shrunk = []
+        events = 0
+
+        # a receive whose data and dependencies are there completes at once (DONE) unless it reduces
+        # (LAND: queue on the rank's compute engine)
+        landing_action = [DONE if k == _RECV or b == 0 else LAND for k, b in zip(kind, size)]
+        work = deque()
+        for g in range(n):
+            if waiting[g] == 0:
+                if kind[g] == _SEND:
+                    work.append(4 * g + READY)
+                else:
+                    deps_ready[g] = True
+        push_work, pop_work = work.append, work.popleft
+        heappush, heappop = heapq.heappush, heapq.heappop
+
+        while True:
+            # ---- everything that happens at `now` ----
+            while work:
+                x = pop_work()
+                g = x >> 2
+                action = x & 3
+                if action == DONE:
+                    completed += 1
+                    finished[g] = True
+                    for d in dependents[g]:
+                        w = waiting[d] - 1
+                        waiting[d] = w
+                        if not w:
+                            if kind[d] == _SEND:
+                                push_work(4 * d + READY)
+                            else:
+                                deps_ready[d] = True
+                                if arrived[d]:
+                                    push_work(4 * d + landing_action[d])
+                    continue
+                if action == READY:    # a send
+                    nbytes = size[g]
+                    if nbytes > 0:
+                        bundles, shares, _lat = send_route[g]
+                        paths_left[g] = len(bundles)
+                        for b, share in zip(bundles, shares):
+                            m = b_m[b]
+                            if m:
+                                rate = b_rate[b]
+                                v = b_v[b] = b_v[b] + rate * (now - b_t[b])
+                                for l in bundle_links[b]:
+                                    link_load[l] += rate
+                            else:
+                                v = b_v[b] = 0.0
+                                for l in bundle_links[b]:
+                                    link_bundles[l].add(b)
+                            b_t[b] = now
+                            b_m[b] = m + 1
+                            q = b_flows[b]
+                            item = (v + share * nbytes, g)
+                            if not q or q[-1] <= item:
+                                q.append(item)
+                            else:          # a shorter flow overtakes longer ones (rare)
+                                q.insert(bisect.bisect(q, item), item)
+                            changed.add(b)
+                    else:              # executors skip empty chunks: nothing is sent
+                        push_work(4 * g + DONE)
+                        h = partner[g]
+                        arrived[h] = True
+                        if deps_ready[h]:
+                            push_work(4 * h + landing_action[h])
+                    continue
+                # LAND: a reduction with its data and dependencies queues on its rank's engine
+                r = rank[g]
+                if engine_busy[r]:
+                    engine_queue[r].append(g)
+                else:
+                    engine_busy[r] = True
+                    heappush(heap, (now + size[g] / reduce_bw[r], 2 * g + ENGINE))
+            makespan = now
+
+            # ---- load changed: repair the max-min fair rates around the changes ----
+            if changed:
+                events += 1
+                region = set()
+                for b in changed:
+                    m = b_m[b]
+                    if m:
+                        l = bottleneck[b]
+                        if l >= 0 and len(link_bundles[l]) == 1 and _private_change(b, cap[l] / m, st):
+                            # Held back by a link it has to itself: its flows share that link's
+                            # capacity among more or fewer flows, nothing else changes.
+                            old, rate = b_rate[b], cap[l] / m
+                            if rate != old:
+                                b_v[b] += old * (now - b_t[b])
+                                b_t[b] = now
+                                b_rate[b] = rate
+                                delta = m * (rate - old)
+                                for l in bundle_links[b]:
+                                    link_load[l] += delta
+                        else:
+                            region.add(b)
+                    else:              # gone: whoever was held back on its links may speed up
+                        for l in bundle_links[b]:
+                            region.update(held[l])
+                repush |= changed
+                changed = set()
+                if region:
+                    repush |= _repair(region, st, now)
+            if repush:
+                for b in repush:
+                    if b_m[b]:
+                        v = b_ver[b] = b_ver[b] + 1
+                        heappush(bheap, (b_t[b] + (b_flows[b][0][0] - b_v[b]) / b_rate[b], b, v))
+                repush = set()
+
+            # ---- next event: drains and timed events within RTOL of the earliest ----
+            while bheap and bheap[0][2] != b_ver[bheap[0][1]]:
+                heappop(bheap)
+            t_next = bheap[0][0] if bheap else math.inf
+            if heap and heap[0][0] < t_next:
+                t_next = heap[0][0]
+            if t_next == math.inf:
+                break
+            limit = t_next + max(RTOL * t_next, ATOL)
+            t_hi = t_next
+            drained = []
+            while bheap and bheap[0][0] <= limit:
+                _t, b, v = heappop(bheap)
+                if v != b_ver[b]:
+                    continue
+                b_ver[b] = v + 1       # this entry is used up
+                rate, v0, t0 = b_rate[b], b_v[b], b_t[b]
+                kmax = v0 + rate * (limit - t0)
+                h = b_flows[b]
+                key, g = h.popleft()   # its first flow drains for sure
+                drained.append(g)
+                while h and h[0][0] <= kmax:
+                    key, g = h.popleft()
+                    drained.append(g)
+                t = t0 + (key - v0) / rate
+                if t > t_hi:
+                    t_hi = t
+                left = len(h)
+                delta = (left - b_m[b]) * rate
+                b_m[b] = left
+                changed.add(b)
+                if left:
+                    for l in bundle_links[b]:
+                        link_load[l] += delta
+                else:
+                    for l in bundle_links[b]:
+                        on = link_bundles[l]
+                        on.discard(b)
+                        link_load[l] = link_load[l] + delta if on else 0.0
+                    shrunk.append(b)
+            fired = []
+            while heap and heap[0][0] <= limit:
+                t, x = heappop(heap)
+                fired.append(x)
+                if t > t_hi:
+                    t_hi = t
+            now = t_hi
+            if shrunk:
+                for b in shrunk:
+                    b_rate[b] = 0.0
+                    held[bottleneck[b]].discard(b)
+                    bottleneck[b] = -1
+                shrunk = []
+            if drained:
+                landing = {}           # latency -> transfers drained now that arrive after it
+                for g in drained:
+                    left = paths_left[g] - 1
+                    paths_left[g] = left
+                    if left:
+                        continue
+                    latency = send_route[g][2]
+                    if latency > 0:
+                        batch = landing.get(latency)
+                        if batch is None:
+                            landing[latency] = [g]
+                        else:
+                            batch.append(g)
+                    else:
+                        push_work(4 * g + DONE)
+                        h = partner[g]
+                        arrived[h] = True
+                        if deps_ready[h]:
+                            push_work(4 * h + landing_action[h])
+                for latency, batch in landing.items():
+                    arrivals.append(batch)
+                    heappush(heap, (now + latency, -len(arrivals)))
+            for x in fired:
+                if x < 0:              # a batch of transfers arrives
+                    batch = arrivals[-x - 1]
+                    arrivals[-x - 1] = None
+                    for g in batch:
+                        push_work(4 * g + DONE)
+                        h = partner[g]
+                        arrived[h] = True
+                        if deps_ready[h]:
+                            push_work(4 * h + landing_action[h])
+                    continue
+                g = x >> 1             # reduction g finished: start the next one queued on its rank
+                push_work(4 * g + DONE)
+                r = rank[g]
+                q = engine_queue[r]
+                if q:
+                    h = q.popleft()
+                    heappush(heap, (now + size[h] / reduce_bw[r], 2 * h + ENGINE))
+                else:
+                    engine_busy[r] = False
+
+        if completed < n:
+            starts = [0] * nranks
+            for g in range(n - 1, -1, -1):
+                starts[rank[g]] = g
+            stuck = [f"rank {rank[g]} op {g - starts[rank[g]]} ({_NAMES[kind[g]]} "
+                     f"{'to' if kind[g] == _SEND else 'from'} rank {rank[partner[g]]})"
+                     for g in range(n) if not finished[g]][:4]
+            raise ScheduleError(f"deadlock: {n - completed} operations never complete; first stuck: "
+                                + "; ".join(stuck))
+        return self._result(makespan, pair_bytes, route_of, ntransfers, events)
+
+    def _result(self, seconds, pair_bytes, route_of, ntransfers, events):
+        fabric = self.fabric
+        total = np.zeros(len(fabric.keys))
+        for key, nbytes in pair_bytes.items():
+            bundles, shares, _ = route_of[key]
+            for b, share in zip(bundles, shares):
+                total[list(fabric.bundle_links[b])] += share * nbytes
+        link_bytes, util = {}, {}
+        for i, key in enumerate(fabric.keys):
+            if total[i] > 0:
+                link_bytes[key] = float(total[i])
+                util[key] = float(total[i] / (fabric.caps[i] * seconds)) if seconds > 0 else 0.0
+        busiest = sorted(((k, util[k], link_bytes[k]) for k in link_bytes),
+                         key=lambda x: (-x[1], -x[2], str(x[0])))[:5]
+        return Simulation(float(seconds), link_bytes, util, busiest, ntransfers, events)
