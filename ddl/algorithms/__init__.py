@@ -9,6 +9,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
 * ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives;
+* ``tree-packing`` -- ForestColl's optimal packing of spanning trees (Blink-style few, shallow trees);
+  all four collectives, up to 64 ranks;
 * ``multicommodity-flow`` -- the best base schedule with its transfers routed by a min-cost
   multi-commodity flow LP over every physical path (IBM DDL, TE-CCL).
 
@@ -19,14 +21,17 @@ from .halving_doubling import halving_doubling, halving_doubling_schedule
 from .hierarchical import hierarchical, hierarchical_schedule
 from .multicommodity_flow import multicommodity_flow
 from .ring import ring, ring_order, ring_schedule
+from .tree_packing import tree_packing
 
 ALGORITHMS = {
     "ring": ring,
     "halving-doubling": halving_doubling,
     "double-binary-tree": double_binary_tree,
     "hierarchical": hierarchical,
+    "tree-packing": tree_packing,
     "multicommodity-flow": multicommodity_flow,
 }
 
-__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow", "ring_order",
+__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow", "tree_packing",
+           "ring_order",
            "ring_schedule", "halving_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]

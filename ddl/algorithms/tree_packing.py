@@ -1,0 +1,357 @@
+"""Optimal spanning-tree packing (``tree-packing``): ForestColl's throughput optimum on any topology.
+
+What it optimises
+=================
+Bandwidth. For allgather every rank ``r`` owns a block of ``N/p`` bytes that must reach every rank; we
+pack, for every root ``r``, spanning out-arborescences over the *ranks* whose edges are logical
+rank-to-rank transfers routed over physical paths through switches/NICs/PCIe (never through another
+rank), with weights summing to 1 per root, minimising the time ``T`` in which every physical link
+carries its share::
+
+    minimise T  s.t.  sum_trees weight * (N/p) * #(tree edges routed over e) <= capacity(e) * T.
+
+The LP is solved exactly by column generation (:mod:`ddl.algorithms.arborescence`): HiGHS on the
+master, Dijkstra + Chu-Liu/Edmonds minimum-cost arborescences as pricing, with a Lagrangian
+certificate. Its optimum equals ForestColl's cut bound (Zhao et al., 2024): routing tree edges
+through switches is exactly what ForestColl's edge splitting achieves. Ranks exchanged by an
+automorphism of the fabric (found with Weisfeiler-Lehman hashes + VF2) share one set of trees, which
+shrinks the LP by up to ``p``. Like Blink (Wang et al., MLSys'20), a second phase keeps ``T`` and
+picks, among the optima, few shallow trees that also run well level by level (see the arborescence
+module: store-and-forward trees under fair link sharing behave like their levels run in sequence).
+
+Collectives
+===========
+* ``allgather``: block ``r`` is cut into pieces, one range of pieces per tree of root ``r`` (size
+  proportional to its weight); every tree edge is a ``transfer(parent, child)`` in breadth-first order.
+  ``Schedule.pattern`` is the same for every block, so the pieces are the merged breakpoints of all
+  roots' cumulative weights; each piece follows the tree whose weight interval contains it. Weights
+  are put on the coarsest grid (16, 64, 256, 1024 or 2**20 steps per block) that costs at most
+  ``ROUNDING_SLACK`` (0.5%) of bandwidth, so that the pattern stays short.
+* ``reduce_scatter``: the same on in-trees (the packing of the reversed fabric, i.e. the out-trees
+  reversed on full-duplex fabrics): leaves first, every rank reduces its children's partials into its
+  own and sends the sum to its parent; the root ends with the full block.
+* ``allreduce``: reduce-scatter on the in-trees then allgather on the out-trees, for the same pieces
+  (one block: the ``p`` logical blocks are consecutive groups of pieces). Time ``2x`` allgather's, which
+  is the cut bound for allreduce as reduce-scatter + allgather.
+* ``broadcast``: the same LP with the one root (its optimum is the rooted min cut, Edmonds).
+
+Pipelining: when trees are deeper than 1 or the collective reduces, every piece is cut into
+sub-chunks so that each tree carries ``MAX_PIPELINE`` (8) of them, each >= 256 KiB (``nbytes``
+defaults to 256 MiB), at most ``MAX_TRANSFERS`` transfers in all. Sub-chunk sizes grow like
+``H_m - H_(m-j-1)`` (harmonic numbers): when every sub-chunk of a piece is ready at once and links
+are shared fairly, they then complete at even intervals, so relays and reductions start early
+instead of all at the end. Programs list transfers by pipeline step, then piece, then block, in
+breadth-first order (leaves first for reductions), so an executor that serves a peer in program
+order pipelines as well. ``Schedule.routes`` pins the physical paths the LP chose (byte shares per
+rank pair), so the simulator and executors load the links the LP planned.
+
+Limits: at most :data:`MAX_RANKS` (64) ranks -- the LP grows as ``p`` roots x links; big symmetric
+clusters are the ``hierarchical`` algorithm's job. Deterministic: everything is sorted and HiGHS runs
+a fixed dual simplex. The packing is cached per (topology, direction, root) in the process.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+
+import networkx as nx
+import numpy as np
+
+from ..errors import PlanError
+from ..schedule import ScheduleBuilder
+from .arborescence import pack_arborescences
+
+NAME = "tree-packing"
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+MAX_RANKS = 64
+GRID = 1 << 20                    # tree weights are integers out of GRID per block
+ROUNDING_SLACK = 5e-3             # bandwidth we give up to put tree weights on a coarse grid
+MIN_CHUNK_BYTES = 256 << 10       # sub-chunks stay at least this large
+DEFAULT_NBYTES = 256 << 20        # pipelining assumes this buffer when nbytes is not given
+MAX_PIPELINE = 8                  # at most this many sub-chunks per tree
+MAX_TRANSFERS = 1 << 16           # pipelining stops short of this many transfers per schedule
+
+
+# ----------------------------------------------------------------------------------------------------
+# packings (cached)
+
+
+class _Forest:
+    """Trees of every root: ``trees[r]`` = tuple of (integer weight out of GRID, parent tuple, edge paths,
+    depth); ``inward``: edges point child -> parent (reduce) and ``paths[v]`` runs from v to its parent."""
+
+    def __init__(self, packing, inward, roots, graph):
+        self.inward = inward
+        self.seconds_per_byte = packing.seconds_per_byte
+        self.lower_bound = packing.lower_bound
+        self.orbits = packing.orbits
+        self.iterations = packing.iterations
+        self.columns = packing.columns
+        self.plan_seconds = packing.seconds
+        ints, self.grid, self.rounding_loss = _round_weights(packing, roots, graph)
+        self.trees = {}
+        for r, trees in zip(roots, packing.trees):
+            kept = []
+            for w, t in zip(ints[r], trees):
+                if w > 0:
+                    paths = t.paths if not inward else tuple(None if x is None else tuple(reversed(x))
+                                                             for x in t.paths)
+                    kept.append((w, t.parent, paths, t.depth, _bfs(t)))
+            self.trees[r] = tuple(kept)
+
+    @property
+    def ntrees(self):
+        return sum(len(t) for t in self.trees.values())
+
+    @property
+    def depth(self):
+        return max((d for trees in self.trees.values() for _, _, _, d, _ in trees), default=0)
+
+
+def _bfs(tree):
+    return tuple(tree.bfs())
+
+
+def _integer_weights(weights, grid=GRID):
+    """Multiples of GRID / grid summing to GRID, proportional to ``weights`` (largest remainder, ties
+    by position)."""
+    total = sum(weights)
+    raw = [w / total * grid for w in weights]
+    ints = [int(math.floor(x)) for x in raw]
+    order = sorted(range(len(raw)), key=lambda i: (-(raw[i] - ints[i]), i))
+    for i in order[:grid - sum(ints)]:
+        ints[i] += 1
+    return [k * (GRID // grid) for k in ints]
+
+
+def _round_weights(packing, roots, graph):
+    """Integer tree weights on a coarse grid (16, 32, ... GRID steps per block): the merged pieces
+    (the chunk pattern) stay few. The coarsest grid that costs at most ROUNDING_SLACK of bandwidth,
+    unless its pieces would exceed the transfer budget (MAX_TRANSFERS), in which case the grid within
+    the budget that loses least. Returns ``({root: [ints]}, grid, relative bandwidth loss)``."""
+    index = {e: i for i, e in enumerate(packing.links)}
+    cap = np.array([graph[u][v]["capacity"] for u, v in packing.links], dtype=float)
+    uses = []
+    for trees in packing.trees:
+        per = []
+        for t in trees:
+            use = np.zeros(len(cap))
+            for path in t.paths:
+                if path is not None:
+                    for e in zip(path[:-1], path[1:]):
+                        use[index[e]] += 1
+            per.append(use)
+        uses.append(per)
+    p = len(packing.trees[0][0].parent) if packing.trees and packing.trees[0] else 1
+    max_pieces = max(1, MAX_TRANSFERS // (len(roots) * max(1, p - 1)))
+    target = packing.seconds_per_byte
+    options = []
+    grid = 16
+    while grid <= GRID:
+        ints = {r: _integer_weights([t.weight for t in trees], grid) for r, trees in zip(roots, packing.trees)}
+        load = np.zeros(len(cap))
+        cuts = set()
+        for r, per in zip(roots, uses):
+            acc = 0
+            for w, use in zip(ints[r], per):
+                load += w / GRID * use
+                acc += w
+                cuts.add(acc)
+        loss = max(float((load / cap).max() / target - 1), 0.0) if target > 0 and len(cap) else 0.0
+        options.append((grid, loss, len(cuts), ints))
+        if loss <= ROUNDING_SLACK or len(cuts) > max_pieces:
+            break
+        grid *= 4 if grid < 1024 else GRID // grid
+    fits = [o for o in options if o[2] <= max_pieces] or options[:1]
+    good = [o for o in fits if o[1] <= ROUNDING_SLACK]
+    grid, loss, _, ints = good[0] if good else min(fits, key=lambda o: (o[1], o[0]))
+    return ints, grid, loss
+
+
+def _symmetric(graph):
+    succ = graph.succ
+    return all(u in succ[v] and succ[v][u].get("capacity") == d.get("capacity") for u, v, d in graph.edges(data=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _forest(topo, direction, root=None):
+    """``direction``: "out" (allgather trees from every root), "in" (reduce-scatter trees into every
+    root), "bcast" (out-trees from ``root``)."""
+    graph = topo.usable_graph()
+    p = topo.nranks
+    if direction == "in":
+        if _symmetric(graph):
+            out = _forest(topo, "out")
+            forest = object.__new__(_Forest)
+            forest.__dict__.update(out.__dict__)
+            forest.inward = True
+            forest.trees = {r: tuple((w, par, tuple(None if x is None else tuple(reversed(x)) for x in paths), d, b)
+                                     for w, par, paths, d, b in trees) for r, trees in out.trees.items()}
+            return forest
+        graph = nx.DiGraph(graph).reverse(copy=True)
+    roots = tuple(range(p)) if root is None else (root,)
+    known = None
+    if direction != "bcast":
+        from ..bounds import cut_bound
+
+        known = cut_bound(topo, reverse=(direction == "in")).seconds_per_byte * p
+    packing = pack_arborescences(graph, topo.ranks, roots, known_bound=known)
+    return _Forest(packing, direction == "in", roots, graph)
+
+
+# ----------------------------------------------------------------------------------------------------
+# schedule
+
+
+def tree_packing(topo, collective, *, root=0, nbytes=None):
+    """Schedule ``collective`` on ``topo`` over an optimal packing of spanning trees (module docstring).
+
+    Raises :class:`ddl.PlanError` for an unknown collective, a bad root, or more than
+    :data:`MAX_RANKS` ranks."""
+    if collective not in COLLECTIVES:
+        raise PlanError(f"{NAME} does not support the collective {collective!r}; it plans {', '.join(COLLECTIVES)}")
+    p = topo.nranks
+    if not 0 <= root < p:
+        raise PlanError(f"root {root} is not a rank (there are {p})")
+    if p > MAX_RANKS:
+        raise PlanError(f"{NAME} solves an LP over {p} roots x {len(topo.usable_graph().edges)} links; it is "
+                        f"limited to {MAX_RANKS} ranks (use 'hierarchical' for large symmetric clusters)")
+    b = ScheduleBuilder(collective, p, (1,), root=root, algorithm=NAME)
+    if p == 1:
+        return b.build(trees=0)
+    nbytes = DEFAULT_NBYTES if not nbytes else int(nbytes)
+
+    if collective == "allgather":
+        forests = [_forest(topo, "out")]
+        blocks = list(range(p))
+    elif collective == "reduce_scatter":
+        forests = [_forest(topo, "in")]
+        blocks = list(range(p))
+    elif collective == "allreduce":
+        forests = [_forest(topo, "in"), _forest(topo, "out")]
+        blocks = list(range(p))
+    else:
+        forests = [_forest(topo, "bcast", root)]
+        blocks = [root]
+    block_bytes = nbytes / len(blocks)
+
+    # pieces: merged breakpoints of every (forest, block)'s cumulative tree weights
+    cuts = {0, GRID}
+    for forest in forests:
+        for r in blocks:
+            acc = 0
+            for w, *_ in forest.trees[r]:
+                acc += w
+                cuts.add(acc)
+    cuts = sorted(cuts)
+    pieces = [(a, c - a) for a, c in zip(cuts, cuts[1:])]
+    # tree of each (forest, block, piece), and the smallest tree weight over each piece
+    tree_of = []
+    smallest = [GRID] * len(pieces)
+    for forest in forests:
+        per_block = {}
+        for r in blocks:
+            ends = []
+            acc = 0
+            for w, *_ in forest.trees[r]:
+                acc += w
+                ends.append(acc)
+            idx = [bisect.bisect_right(ends, start) for start, _ in pieces]
+            per_block[r] = idx
+            for i, k in enumerate(idx):
+                smallest[i] = min(smallest[i], forest.trees[r][k][0])
+        tree_of.append(per_block)
+    depth = max(f.depth for f in forests)
+    target = MAX_PIPELINE if depth > 1 or collective in ("allreduce", "reduce_scatter") else 1
+    max_chunks = MAX_TRANSFERS // ((p - 1) * len(forests))
+    split = _pipeline(pieces, smallest, target, block_bytes, len(blocks), max_chunks)
+
+    # pattern: every piece cut into its sub-chunks
+    pattern, sub_of = [], []
+    for i, ((_, width), m) in enumerate(zip(pieces, split)):
+        for j, part in enumerate(_split(width, m)):
+            pattern.append(part)
+            sub_of.append((i, j))
+    per_block = len(pattern)
+    if collective == "allreduce" or collective == "broadcast":
+        pattern = pattern * len(blocks)           # one buffer: the logical blocks side by side
+    b = ScheduleBuilder(collective, p, pattern, root=root, algorithm=NAME)
+    route_bytes = {}
+
+    def chunk_id(bi, c):
+        return bi * per_block + c
+
+    # emit by pipeline step j (sub-chunk index within its piece), so early sub-chunks go first
+    order = sorted(range(per_block), key=lambda c: (sub_of[c][1], sub_of[c][0]))
+    for c in order:
+        i = sub_of[c][0]
+        for fi, forest in enumerate(forests):
+            for bi, r in enumerate(blocks):
+                w, parent, paths, _d, bfs = forest.trees[r][tree_of[fi][r][i]]
+                chunk = chunk_id(bi, c)
+                weight = pattern[c]
+                if forest.inward:
+                    for v in reversed(bfs):
+                        b.transfer(v, parent[v], chunk, reduce=True)
+                        _add_route(route_bytes, v, parent[v], paths[v], weight)
+                else:
+                    for v in bfs:
+                        b.transfer(parent[v], v, chunk)
+                        _add_route(route_bytes, parent[v], v, paths[v], weight)
+    for (u, v), paths in sorted(route_bytes.items()):
+        total = sum(paths.values())
+        b.routes[(u, v)] = tuple((path, share / total) for path, share in sorted(paths.items()))
+    per = p if collective != "broadcast" else 1
+    return b.build(
+        trees=[f.ntrees for f in forests],
+        trees_per_root=[round(f.ntrees / len(blocks), 2) for f in forests],
+        depth=depth,
+        pieces=len(pieces),
+        pipeline=target,
+        chunks=len(pattern) * (len(blocks) if collective in ("allgather", "reduce_scatter") else 1),
+        # LP optimum (seconds per byte of the whole buffer) and its certified lower bound
+        seconds_per_byte=sum(f.seconds_per_byte for f in forests) / per,
+        lp_lower_bound=sum(f.lower_bound for f in forests) / per,
+        rounding_loss=round(max(f.rounding_loss for f in forests), 6),
+        symmetry_classes=forests[-1].orbits,
+        lp_iterations=[f.iterations for f in forests],
+    )
+
+
+def _pipeline(pieces, smallest, target, block_bytes, nblocks, max_chunks):
+    """Sub-chunks per piece: every tree gets >= ``target`` of them (a piece is cut in proportion to
+    its width over the smallest tree covering it), none below MIN_CHUNK_BYTES, ``max_chunks`` in all."""
+    if target <= 1:
+        return [1] * len(pieces)
+    split = []
+    for (_, width), small in zip(pieces, smallest):
+        m = math.ceil(target * width / small - 1e-9)
+        m = min(m, max(1, int(block_bytes * width / GRID // MIN_CHUNK_BYTES)), width)
+        split.append(max(1, m))
+    while sum(split) * nblocks > max_chunks and max(split) > 1:
+        split = [max(1, m // 2) for m in split]
+    return split
+
+
+SPLIT = "harmonic"
+
+
+def _split(width, m):
+    """``width`` cut into ``m`` positive integers: equal, or (SPLIT == "harmonic") growing like
+    H_m - H_(m-j-1), so that under fair sharing of a link they complete at even intervals."""
+    if SPLIT == "harmonic" and m > 1:
+        h = [sum(1.0 / i for i in range(1, k + 1)) for k in range(m + 1)]
+        raw = [(h[m] - h[m - j - 1]) for j in range(m)]
+        tot = sum(raw)
+        parts = [max(1, int(width * x / tot)) for x in raw]
+        parts[-1] += width - sum(parts)
+        if parts[-1] > 0:
+            return parts
+    base, extra = divmod(width, m)
+    return [base + (1 if j < extra else 0) for j in range(m)]
+
+
+def _add_route(route_bytes, u, v, path, weight):
+    pair = route_bytes.setdefault((u, v), {})
+    pair[path] = pair.get(path, 0) + weight
