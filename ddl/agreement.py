@@ -1,0 +1,294 @@
+"""Cross-rank agreement: every rank must call the same collective with the same arguments.
+
+MPI leaves a mismatch (rank 3 calls ``Allreduce`` with 1001 floats, the others with 1000) undefined:
+usually a hang, sometimes a truncation error, sometimes a silently wrong answer. ddl checks instead.
+
+**The check.** A collective's *signature* is (sequence number, collective, count, dtype, op, root,
+digest of the schedule that will run, topology fingerprint, check mode). Two implementations, with the
+same guarantee -- one point of agreement per collective, seen identically by every rank:
+
+* across nodes: every rank hashes its signature to ``h`` (62 bits) and the ranks run ONE tiny
+  collective, an ``MPI_Iallreduce`` of the two int64 ``[h, -h]`` with ``MPI_MAX``. The result is
+  ``[max h, -min h]``: the ranks agree iff ``max h == min h``. Only when they do not (the error path)
+  do they gather the full signatures, with an ``MPI_Iallgather`` on a second private communicator;
+* all ranks on one node (the usual single-host multi-GPU/CPU job; env ``DDL_AGREEMENT=mpi`` forces
+  the other): :class:`ShmBoard`, the full signatures posted in an MPI shared-memory window. No
+  message, no MPI call, no ``log2(p)`` rounds of message hops -- which on an oversubscribed node
+  cost a scheduling round each -- and the stall watchdog learns exactly which ranks have not arrived.
+
+A mismatch is raised as :class:`ddl.MismatchError` on EVERY rank, e.g.::
+
+    ranks disagree on ddl collective #7: rank 3 called Allreduce with 1001 float32 (SUM);
+    ranks 0-2 called Allreduce with 1000 float32 (SUM) [differs in: count]
+
+The check is nonblocking: it is posted when the collective is called and completed by the progress
+engine (see :mod:`ddl.executor`), which starts the data phase only once the check has passed. Nothing
+is sent before that, so a mismatch never corrupts a buffer, and the private communicators stay clean:
+the communicator remains usable after a :class:`~ddl.MismatchError`.
+
+**Why always check (``check="always"``, the default).** The issue suggests checking only signatures
+"not seen before". That is unsafe when decided per rank: the check is itself a collective, so all
+ranks must agree on *whether* to run it, and the one case the check exists for -- ranks whose call
+sequences diverged -- is exactly the case where one rank has seen its signature (and skips) while
+another has not (and checks). The skipping rank proceeds to the data phase, the checking rank waits
+for a check nobody else joins: a hang. Worse, two ranks that have both seen their (different)
+signatures before would both skip and exchange data of different collectives: a wrong answer. A
+check whose cost is one 16-byte allreduce (latency only; it overlaps with nothing else on the rank
+anyway, because the data phase has to wait for it), or a few shared-memory writes and reads, is the
+safe default.
+
+``check="new"`` is the opt-in compromise: check only signatures this rank has not seen before. It is
+made *safe* by salting the message tags of the data phase with the signature hash, so messages of two
+different collectives do not match: a divergence then shows up as a :class:`ddl.StallError` after
+``stall_timeout`` (naming the ranks) instead of a MismatchError -- never a hang, and a wrong answer
+only if the salts collide (1 in 64 with MPICH's tag range; ``TagSpace.salt_bits`` in
+:mod:`ddl.executor`). ``check="off"`` skips the check entirely (tags stay salted). All ranks must use
+the same ``check`` mode (verified when the Communicator is created). "new" and "off" use the MPI
+implementation of the check.
+"""
+import hashlib
+
+import numpy as np
+
+from .errors import MismatchError
+
+COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
+COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier"}
+CHECK_MODES = ("always", "new", "off")
+_MASK62 = (1 << 62) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+# Layout of the int64 signature vector gathered on mismatch.
+SIG_LEN = 11
+(_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT, _SCHED, _TOPO, _MODE) = range(SIG_LEN)
+
+
+def digest62(*parts):
+    """Stable 62-bit hash of strings/ints (identical on every rank, unlike ``hash()``)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(str(p).encode())
+        h.update(b"\x00")
+    return int.from_bytes(h.digest(), "little") & _MASK62
+
+
+def _dtype_words(dtype):
+    name = (np.dtype(dtype).name if dtype is not None else "").encode()[:16].ljust(16, b"\x00")
+    return int.from_bytes(name[:8], "little", signed=True), int.from_bytes(name[8:], "little", signed=True)
+
+
+def _dtype_name(w0, w1):
+    raw = int(w0).to_bytes(8, "little", signed=True) + int(w1).to_bytes(8, "little", signed=True)
+    return raw.rstrip(b"\x00").decode(errors="replace") or "?"
+
+
+class Signature:
+    """What one rank is about to run; ``base`` hashes everything but the sequence number."""
+
+    __slots__ = ("collective", "count", "dtype", "op", "root", "schedule_digest", "topology_digest", "mode",
+                 "base", "vector")
+
+    def __init__(self, collective, count, dtype, op, root, schedule_digest, topology_digest, mode="always"):
+        self.collective, self.count, self.dtype, self.op, self.root = collective, count, dtype, op, root
+        self.schedule_digest, self.topology_digest, self.mode = schedule_digest, topology_digest, mode
+        d0, d1 = _dtype_words(dtype)
+        vec = np.zeros(SIG_LEN, np.int64)
+        vec[_COLL] = COLLECTIVE_CODES[collective]
+        vec[_COUNT] = count
+        vec[_ITEMSIZE] = np.dtype(dtype).itemsize if dtype is not None else 0
+        vec[_DT0], vec[_DT1] = d0, d1
+        vec[_OP] = op.code if op is not None else 0
+        vec[_ROOT] = root
+        vec[_SCHED] = schedule_digest
+        vec[_TOPO] = topology_digest
+        vec[_MODE] = CHECK_MODES.index(mode)
+        self.vector = vec
+        self.base = digest62(*vec[1:].tolist())
+
+    def hash(self, seq):
+        """62-bit hash of this signature at sequence number ``seq``."""
+        return (self.base ^ ((seq * _GOLDEN) & _MASK62)) & _MASK62
+
+    def with_seq(self, seq):
+        vec = self.vector.copy()
+        vec[_SEQ] = seq
+        return vec
+
+
+def check_buffer(sig_hash):
+    """int64[4]: ``[h, -h]`` to send and two slots for the MAX-reduced result."""
+    buf = np.empty(4, np.int64)
+    buf[0] = sig_hash
+    buf[1] = -sig_hash
+    return buf
+
+
+def agreed(buf):
+    """True when the MAX-reduced ``[max h, -min h]`` in ``buf[2:]`` says every rank had the same hash."""
+    return buf[2] == -buf[3]
+
+
+def describe(vec):
+    """Human form of one signature vector: ``Allreduce with 1000 float32 (SUM)``."""
+    from .ops import op_from_code
+    name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
+    if int(vec[_COLL]) == COLLECTIVE_CODES["barrier"]:
+        return name
+    text = f"{name} with {int(vec[_COUNT])} {_dtype_name(vec[_DT0], vec[_DT1])}"
+    extras = []
+    op = op_from_code(vec[_OP]) if vec[_OP] else None
+    if op is not None:
+        extras.append(op.name)
+    if int(vec[_COLL]) == COLLECTIVE_CODES["broadcast"]:
+        extras.append(f"root {int(vec[_ROOT])}")
+    return text + (f" ({', '.join(extras)})" if extras else "")
+
+
+def format_ranks(ranks):
+    """``[0, 1, 2, 5]`` -> ``'ranks 0-2, 5'``; ``[3]`` -> ``'rank 3'``."""
+    ranks = sorted(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else (f"{ranks[i]}, {ranks[j]}" if j == i + 1 else f"{ranks[i]}-{ranks[j]}"))
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+_FIELDS = ((_SEQ, "call sequence (a rank skipped or added a ddl collective)"), (_COLL, "collective"),
+           (_COUNT, "count"), (_ITEMSIZE, "dtype"), (_DT0, "dtype"), (_DT1, "dtype"), (_OP, "op"),
+           (_ROOT, "root"), (_SCHED, "schedule (algorithm= or planner differ between ranks)"),
+           (_TOPO, "topology"), (_MODE, "check mode"))
+
+
+def mismatch_error(table, seq, rank):
+    """:class:`ddl.MismatchError` built from the gathered signature vectors (``table[r]`` = rank r's)."""
+    table = np.asarray(table)
+    groups = {}
+    for r, row in enumerate(table):
+        groups.setdefault(tuple(int(x) for x in row), []).append(r)
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+    parts = []
+    for vec, ranks in ordered:
+        text = describe(vec)
+        if len({v[_SEQ] for v in groups}) > 1:
+            text += f" as its ddl collective #{vec[_SEQ]}"
+        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1:
+            text += f" [schedule {vec[_SCHED]:016x}, topology {vec[_TOPO]:016x}]"
+        parts.append(f"{format_ranks(ranks)} called {text}")
+    differs = []
+    rows = list(groups)
+    for idx, label in _FIELDS:
+        if len({row[idx] for row in rows}) > 1 and label not in differs:
+            differs.append(label)
+    msg = (f"ranks disagree on ddl collective #{seq} (reported on rank {rank}): " + "; ".join(parts)
+           + (f" [differs in: {', '.join(differs)}]" if differs else ""))
+    err = MismatchError(msg)
+    err.signatures = {r: describe(row) for r, row in enumerate(table)}
+    return err
+
+
+class ShmBoard:
+    """The agreement through shared memory, for communicators that live on one node.
+
+    Every rank owns a row of ``DEPTH`` slots in one MPI shared-memory window. To enter collective
+    ``seq`` a rank writes its signature vector into slot ``seq % DEPTH`` and then the slot's sequence
+    word (last, so a reader that sees the sequence number sees the signature). A rank has agreement on
+    ``seq`` when every row shows ``seq`` there: it then compares the rows -- a mismatch is raised on
+    every rank from the same table, with no further communication -- and publishes that it is done
+    reading (``done[rank] = seq + 1``). A slot is reused only when every rank is done with its previous
+    occupant (flow control: a broadcast root may otherwise run ``DEPTH`` collectives ahead).
+
+    Same guarantee as the ``MPI_Iallreduce`` check (one point of agreement per collective, never a
+    partial view), but no message and no MPI call: on an oversubscribed node, where every message
+    hop costs a scheduling round, it removes ``log2(p)`` hops from every collective. It also tells the
+    stall watchdog exactly which ranks have not entered a collective.
+    """
+
+    DEPTH = 64
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        import platform
+        p, D, L = comm.Get_size(), self.DEPTH, SIG_LEN
+        self.rank, self.size = comm.Get_rank(), p
+        nwords = D * p + D * p * L + 3 * p  # last 2p words: a 32-bit doorbell and a sleep flag per rank
+        self.win = MPI.Win.Allocate_shared(nwords * 8 if self.rank == 0 else 0, 8, comm=comm)
+        buf, _ = self.win.Shared_query(0)
+        words = np.frombuffer(buf, dtype=np.int64, count=nwords)
+        if self.rank == 0:
+            words[:] = 0
+        self.seqs = words[:D * p].reshape(D, p)                          # seq + 1 of each rank's entry
+        self.sigs = words[D * p:D * p + D * p * L].reshape(D, p, L)      # the signature vectors
+        self.done = words[D * p + D * p * L:D * p + D * p * L + p]       # agreements each rank finished
+        flags = words[D * p + D * p * L + p:].view(np.int32)             # futex words (see executor.Doorbell)
+        self.bells = flags[0:2 * p:2]                                     # ... a doorbell per rank
+        self.sleeping = flags[2 * p::2]                                   # ... 1 while its rank sleeps on it
+        # built once so that the hot path is a memory comparison: memoryview == memoryview
+        self._seq_views = [memoryview(self.seqs[s]) for s in range(D)]
+        self._expect = np.zeros((D, p), np.int64)
+        self._expect_views = [memoryview(self._expect[s]) for s in range(D)]
+        self._min_done = 0
+        self._fence = None
+        if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+            # weakly ordered CPU: MPI_Win_sync is the memory barrier between data and sequence words
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+            self._fence = self.win.Sync
+        comm.Barrier()
+
+    def can_post(self, seq):
+        if self._min_done > seq - self.DEPTH:  # done counters only grow: a cached minimum is safe
+            return True
+        self._min_done = int(self.done.min())
+        return self._min_done > seq - self.DEPTH
+
+    def post(self, seq, vector):
+        """Enter collective ``seq`` with signature ``vector`` (its seq word is overwritten here)."""
+        s = seq % self.DEPTH
+        row = self.sigs[s, self.rank]
+        row[:] = vector
+        row[0] = seq
+        self._expect[s].fill(seq + 1)
+        if self._fence:
+            self._fence()
+        self.seqs[s, self.rank] = seq + 1
+
+    def fence(self):
+        """Full memory barrier (MPI_Win_sync): makes this rank's post visible before it reads the others'.
+        Needed when a rank decides from ``ready`` whether it arrived last (doorbells)."""
+        if self._fence is None:
+            from mpi4py import MPI
+            self.win.Lock_all(MPI.MODE_NOCHECK)
+            self._fence = self.win.Sync
+        self._fence()
+
+    def ready(self, seq):
+        """Every rank has entered ``seq`` (call after :meth:`post`)."""
+        s = seq % self.DEPTH
+        return self._seq_views[s] == self._expect_views[s]
+
+    def agreed(self, seq):
+        """Call once ``ready(seq)``: True when every rank posted the same signature."""
+        if self._fence:
+            self._fence()
+        rows = self.sigs[seq % self.DEPTH]
+        return rows.tobytes() == rows[self.rank].tobytes() * self.size
+
+    def table(self, seq):
+        return self.sigs[seq % self.DEPTH].copy()
+
+    def finish(self, seq):
+        self.done[self.rank] = seq + 1
+
+    def missing(self, seq):
+        """``{rank: latest collective it entered (or -1)}`` for the ranks that have not entered ``seq``."""
+        col = self.seqs[seq % self.DEPTH]
+        return {r: int(self.seqs[:, r].max()) - 1 for r in range(self.size) if col[r] != seq + 1}
+
+    def free(self):
+        if self._fence:
+            self.win.Unlock_all()
+        self._fence = None
+        self.win.Free()

@@ -1,0 +1,169 @@
+"""mpi4py-style buffer specifications, turned into flat numpy views without copying.
+
+Accepted forms (as in mpi4py's upper-case methods):
+
+* ``buf`` -- a numpy array, or anything exporting the buffer protocol (``bytearray``, ``array.array``,
+  ``memoryview``, ...) or ``__array_interface__`` / ``__dlpack__`` (CPU tensors);
+* ``[buf, count]`` -- the first ``count`` elements of ``buf``;
+* ``[buf, dtype]`` -- the memory of ``buf`` read as ``dtype`` (like an MPI datatype: no conversion);
+* ``[buf, count, dtype]``.
+
+``dtype`` may be a numpy dtype or type (``np.float32``), a character code (``"f"``, ``"d"``, ``"i8"``),
+a name (``"float32"``, ``"bfloat16"`` with ml_dtypes installed) or an mpi4py datatype (``MPI.FLOAT``,
+``MPI.INT64_T``, ...).
+
+Buffers must be contiguous in memory (C or Fortran order): ddl sends byte ranges of them and reduces
+into them in place, so a strided view would need a hidden copy; it is refused with :class:`ddl.Error`
+instead. Receive buffers must be writable.
+"""
+import sys
+
+import numpy as np
+
+from .errors import Error
+
+
+class _InPlace:
+    """The ``ddl.IN_PLACE`` sentinel (``MPI.IN_PLACE`` is accepted too)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self):
+        return "ddl.IN_PLACE"
+
+    def __reduce__(self):
+        return (_InPlace, ())
+
+
+IN_PLACE = _InPlace()
+
+
+def is_in_place(buf):
+    if buf is IN_PLACE:
+        return True
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and buf is mpi.IN_PLACE
+
+
+def resolve_dtype(dtype):
+    """numpy dtype from a numpy dtype/type, char code, name or mpi4py Datatype."""
+    if isinstance(dtype, np.dtype):
+        return dtype
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(dtype, mpi.Datatype):
+        from mpi4py.util import dtlib
+        try:
+            return np.dtype(dtlib.to_numpy_dtype(dtype))
+        except Exception as exc:
+            raise Error(f"MPI datatype {dtype.Get_name() or dtype!r} has no numpy equivalent: {exc}") from None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        pass
+    if isinstance(dtype, str):
+        try:
+            import ml_dtypes
+            found = getattr(ml_dtypes, dtype.strip(), None)
+            if found is not None:
+                return np.dtype(found)
+            if dtype.strip() == "E":
+                return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            pass
+    raise Error(f"cannot interpret {dtype!r} as a dtype (use a numpy dtype, a character code such as 'f', "
+                f"or an MPI datatype such as MPI.FLOAT)")
+
+
+def _as_array(obj, what):
+    if isinstance(obj, np.ndarray):
+        return obj
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        view = None
+    if view is not None:
+        if not view.contiguous:
+            raise Error(f"{what} is not contiguous in memory; ddl needs contiguous buffers "
+                        f"(pass a contiguous copy, e.g. numpy.ascontiguousarray)")
+        try:
+            return np.asarray(view)
+        except (ValueError, TypeError, NotImplementedError):
+            return np.frombuffer(view.cast("B"), dtype=np.uint8) if not view.readonly else \
+                np.frombuffer(view.tobytes(), dtype=np.uint8)
+    if hasattr(obj, "__array_interface__"):
+        return np.asarray(obj)
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except Exception as exc:
+            raise Error(f"{what}: cannot access its memory via DLPack ({exc}); pass a CPU array") from None
+    raise Error(f"{what} must be a numpy array or an object with the buffer protocol, got {type(obj).__name__}"
+                f" (lists are not buffers: use numpy.array(...))")
+
+
+def flat_view(arr, what):
+    """1-D view of a contiguous numpy array in memory order; ddl.Error if it is not contiguous."""
+    if arr.flags.c_contiguous:
+        return arr.reshape(-1)
+    if arr.flags.f_contiguous:
+        return arr.reshape(-1, order="F")
+    raise Error(f"{what} is not contiguous in memory (shape {arr.shape}, strides {arr.strides}); ddl needs "
+                f"contiguous buffers: pass numpy.ascontiguousarray(...) or a contiguous slice")
+
+
+def parse_buffer(spec, what="buffer", writable=False):
+    """Buffer spec -> 1-D numpy array viewing the described memory (no copy).
+
+    ``what`` names the argument in error messages (``"recvbuf"``).
+    """
+    count = dtype = None
+    displ = 0
+    if isinstance(spec, (list, tuple)):
+        if not spec or isinstance(spec[0], (int, float, complex, np.number)):
+            raise Error(f"{what} must be a numpy array or an object with the buffer protocol, got a "
+                        f"{type(spec).__name__} of numbers (lists are not buffers: use numpy.array(...))")
+        if len(spec) == 2:
+            buf, second = spec
+            if isinstance(second, (int, np.integer)) and not isinstance(second, bool):
+                count = int(second)
+            else:
+                dtype = second
+        elif len(spec) == 3:
+            buf, count, dtype = spec
+            if isinstance(count, (tuple, list)):  # mpi4py's (count, displacement)
+                if len(count) != 2:
+                    raise Error(f"{what}: count must be an int or (count, displacement)")
+                count, displ = int(count[0]), int(count[1])
+            count = None if count is None else int(count)
+        else:
+            raise Error(f"{what} spec must be buf, [buf, count], [buf, dtype] or [buf, count, dtype]; "
+                        f"got a {type(spec).__name__} of length {len(spec)}")
+    else:
+        buf = spec
+    arr = _as_array(buf, what)
+    flat = flat_view(arr, what)
+    if dtype is not None:
+        dt = resolve_dtype(dtype)
+        if dt != flat.dtype:
+            raw = flat.view(np.uint8)
+            if raw.size % dt.itemsize:
+                raise Error(f"{what}: {raw.size} bytes are not a whole number of {dt} elements")
+            flat = raw.view(dt)
+    if displ:
+        if displ < 0 or displ > flat.size:
+            raise Error(f"{what}: displacement {displ} outside a buffer of {flat.size} elements")
+        flat = flat[displ:]
+    if count is not None:
+        if count < 0:
+            raise Error(f"{what}: negative count {count}")
+        if count > flat.size:
+            raise Error(f"{what}: count {count} exceeds the buffer's {flat.size} {flat.dtype} elements")
+        flat = flat[:count]
+    if writable and not flat.flags.writeable:
+        raise Error(f"{what} is read-only; the result must be written into a writable buffer")
+    return flat

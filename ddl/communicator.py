@@ -1,0 +1,646 @@
+"""``ddl.Communicator``: topology-planned collectives with mpi4py's calling conventions.
+
+Usage (run with ``mpiexec -n 8 python -m mpi4py train.py`` so that an uncaught exception on any rank
+aborts the whole job instead of leaving the other ranks waiting)::
+
+    from mpi4py import MPI
+    import ddl
+    comm = ddl.Communicator(MPI.COMM_WORLD, topology="topologies/dgx1-v100.yaml")
+    comm.Allreduce(sendbuf, recvbuf, op=ddl.SUM)
+    comm.Allreduce(ddl.IN_PLACE, grads, op=ddl.AVG)
+    req = comm.Iallreduce(a, b); ...; req.Wait()
+    comm.Reduce_scatter_block(sendbuf, recvbuf)     # sendbuf: size*n elements, recvbuf: n
+    comm.Allgather(sendbuf, recvbuf)                # sendbuf: n, recvbuf: size*n
+    comm.Bcast(buf, root=0)
+    comm.plan(nbytes)                               # the Schedule that would run
+    avg = comm.allreduce(array, op=ddl.AVG)         # functional, returns a new array
+    outs = comm.grouped_allreduce([a, b, c])        # one fused collective per dtype
+
+Semantics follow MPI/mpi4py: the same calls in the same order on every rank, buffers as mpi4py buffer
+specs (see :mod:`ddl.buffers`), ``ddl.IN_PLACE`` (or ``MPI.IN_PLACE``) as the send buffer. Results are
+bitwise identical on every rank and every run: the reduction order is a fixed function of the plan.
+
+Safety nets (see :mod:`ddl.agreement` and :mod:`ddl.executor`): before its data moves, every collective
+is checked across ranks (a mismatch raises :class:`ddl.MismatchError` on every rank, naming what
+differs and where; through a shared-memory board when all ranks share a node, else one
+``MPI_Iallreduce`` of a signature hash); a collective that makes no progress for ``stall_warning``
+seconds prints which ranks and steps it waits for, and after ``stall_timeout`` raises
+:class:`ddl.StallError` naming them; a communicator that raised StallError refuses further calls.
+A rank that dies: with ``python -m mpi4py`` its uncaught exception calls ``MPI_Abort`` and mpiexec
+ends the job naming it; without, the survivors' watchdog raises StallError naming it ("no word from
+rank 3").
+
+Progress: one engine per communicator drives every in-flight collective whenever any ``Wait``/``Test``
+runs (and the engines of the process's other ddl communicators, like MPI's progress), so ranks that
+wait on different requests cannot deadlock. Waiting ranks sleep instead of spinning when the node is
+oversubscribed (see :mod:`ddl.executor`).
+
+Scratch: reductions receive into per-plan scratch buffers reused across calls (``ufunc(local,
+scratch, out=local)``, no temporaries); ``Allreduce(sendbuf, recvbuf)`` reads ``sendbuf`` directly
+(no copy into ``recvbuf`` first).
+
+Reduce-scatter and allgather buffers: ``Allgather(sendbuf, recvbuf)`` runs in ``recvbuf`` directly
+(the own block is read from ``sendbuf`` and copied into its place once); ``Reduce_scatter_block``
+reads ``sendbuf`` without modifying it, reduces the blocks that are forwarded in a cached workspace
+and the own block directly into ``recvbuf`` -- no copy of ``sendbuf`` is made. With ``IN_PLACE``,
+``recvbuf`` holds ``size*n`` inputs, is used as the workspace (it is overwritten) and the result ends
+in its first ``n`` elements, as in MPI.
+
+Not thread safe: call a Communicator from one thread.
+"""
+import os
+
+import numpy as np
+
+from .agreement import CHECK_MODES, Signature, digest62, format_ranks
+from .buffers import IN_PLACE, is_in_place, parse_buffer
+from .errors import Error, MismatchError, PlanError
+from .executor import CompiledPlan, Engine, Execution, _env_float
+from .ops import SUM, check_op_dtype, finish_average, resolve_op
+from .schedule import Schedule
+
+__all__ = ["Communicator", "Request", "IN_PLACE"]
+
+_DEFAULT_STALL_WARNING = 60.0
+_DEFAULT_STALL_TIMEOUT = 300.0
+_ARG_CACHE_BYTES = 1 << 20  # Allreduce argument cache: arrays up to this size
+_MAX_PLANS = 256
+
+
+class Request:
+    """Handle of a nonblocking ddl collective (``Wait``, ``Test``; ``wait``/``test`` aliases).
+
+    Waiting on any request drives every collective in flight on the communicator.
+    """
+
+    __slots__ = ("_ex", "_engine", "_result")
+
+    def __init__(self, ex, engine, result=None):
+        self._ex, self._engine, self._result = ex, engine, result
+
+    def Wait(self):
+        """Block until the collective completed (raising its error, if it failed); returns True."""
+        self._engine.wait(self._ex)
+        return True
+
+    def Test(self):
+        """Drive progress once; True when the collective completed."""
+        return self._engine.test(self._ex)
+
+    def wait(self):
+        """Block until completion; returns the result array for functional calls (else True)."""
+        self._engine.wait(self._ex)
+        return True if self._result is None else self._result()
+
+    def test(self):
+        return self._engine.test(self._ex)
+
+    @property
+    def done(self):
+        return self._ex.done
+
+    @staticmethod
+    def Waitall(requests):
+        for r in requests:
+            r.Wait()
+        return True
+
+    @staticmethod
+    def Testall(requests):
+        return all([r.Test() for r in requests])
+
+    def __repr__(self):
+        return f"<ddl.Request {self._ex.label} #{self._ex.seq} {'done' if self._ex.done else self._ex.state}>"
+
+
+_LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce",
+                      "reduce_scatter": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
+                      "allgather": "allgather", "allgather_inplace": "allgather", "broadcast": "broadcast"}
+_LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
+          "broadcast": "Bcast"}
+
+
+class Communicator:
+    """Collectives planned for a topology and executed with nonblocking MPI point-to-point.
+
+    Parameters
+    ----------
+    comm:
+        an mpi4py communicator (default ``MPI.COMM_WORLD``). ddl duplicates it (twice: data and
+        error-path traffic), so its messages never match yours. Construction is collective.
+    topology:
+        a file path, a :class:`ddl.Topology`, or None for a flat topology (every rank on one switch).
+        When omitted, the environment variable ``DDL_TOPOLOGY`` may name the file. Its rank count
+        must equal the communicator size; all ranks must use the same topology (checked).
+    algorithm:
+        ``"auto"`` (the planner picks per collective and size), an algorithm name for every
+        collective, or a dict ``{collective: name}``.
+    check:
+        ``"always"`` (default, env ``DDL_CHECK``), ``"new"`` or ``"off"``; see :mod:`ddl.agreement`.
+    stall_warning, stall_timeout:
+        seconds without progress before a warning on stderr / a :class:`ddl.StallError`. Defaults
+        60 and 300, or env ``DDL_STALL_WARNING`` / ``DDL_STALL_TIMEOUT``. Settable later.
+    planner:
+        optional object with ``schedule(collective, nbytes, algorithm=, root=)`` returning a
+        :class:`~ddl.schedule.Schedule` (default :class:`ddl.planner.Planner` on the topology);
+        schedules from it are verified once before use.
+    """
+
+    _UNSET = object()
+
+    def __init__(self, comm=None, topology=_UNSET, *, algorithm="auto", check=None, stall_warning=None,
+                 stall_timeout=None, planner=None):
+        from mpi4py import MPI
+        self._MPI = MPI
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if isinstance(comm, Communicator):
+            comm = comm.mpi_comm
+        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+            raise Error(f"comm must be an mpi4py communicator, got {comm!r}")
+        if comm.Is_inter():
+            raise Error("ddl.Communicator needs an intracommunicator")
+        self.mpi_comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        if check is None:
+            check = os.environ.get("DDL_CHECK", "always") or "always"
+        if check not in CHECK_MODES:
+            raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+        self.check = check
+        self.algorithm = algorithm = "auto" if algorithm is None else algorithm
+        self._algorithm_of = self._algorithms(algorithm)
+        if self.size > 1:
+            from .algorithms import ALGORITHMS
+            names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}
+            unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
+            if unknown:
+                raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, {', '.join(ALGORITHMS)}")
+        if stall_warning is None:
+            stall_warning = _env_float("DDL_STALL_WARNING", _DEFAULT_STALL_WARNING)
+        if stall_timeout is None:
+            stall_timeout = _env_float("DDL_STALL_TIMEOUT", _DEFAULT_STALL_TIMEOUT)
+
+        if topology is Communicator._UNSET:
+            topology = os.environ.get("DDL_TOPOLOGY") or None
+        self.topology = self._load_topology(topology)
+        if self.topology is not None and self.topology.nranks != self.size:
+            where = f" ({self.topology.source})" if getattr(self.topology, "source", None) else ""
+            raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
+                        f"communicator has {self.size} ranks: use a topology with one rank per process "
+                        f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
+        self._planner = planner
+        self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None else f"flat-{self.size}")
+
+        self._pcomm = comm.Dup()
+        self._gcomm = comm.Dup()
+        try:
+            name = comm.Get_name() or "comm"
+            self._pcomm.Set_name(f"ddl-data({name})")
+            self._gcomm.Set_name(f"ddl-agree({name})")
+        except Exception:  # pragma: no cover - names are cosmetic
+            pass
+        self._freed = False
+        self._board = None
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED) if self.size > 1 else None
+        local = node.Get_size() if node is not None else 1
+        if node is not None:
+            node.Free()
+        agreement = os.environ.get("DDL_AGREEMENT", "auto")
+        if agreement not in ("auto", "shm", "mpi"):
+            raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
+        # the check runs through shared memory when every rank is on this node (see ddl.agreement)
+        use_board = self.size > 1 and check == "always" and local == self.size and agreement != "mpi"
+        self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
+        self._agree_on_setup()
+        if use_board:
+            from .agreement import ShmBoard
+            self._board = ShmBoard(self._pcomm)
+        over = os.environ.get("DDL_OVERSUBSCRIBED", "")
+        oversubscribed = local > _cores() if over == "" else over not in ("0", "false", "no")
+        self._engine = Engine(self._pcomm, self._gcomm, float(stall_warning), float(stall_timeout),
+                              board=self._board, oversubscribed=oversubscribed)
+        self._seq = 0
+        self._plans = {}
+        self._schedule_digests = {}
+        self._seen = set()
+        self._args = {}  # recent Allreduce arguments -> parsed (see _allreduce_start)
+
+    # ---- setup ----------------------------------------------------------------------------------
+    @staticmethod
+    def _algorithms(algorithm):
+        if algorithm is None:
+            algorithm = "auto"
+        if isinstance(algorithm, str):
+            return lambda coll: algorithm
+        if isinstance(algorithm, dict):
+            bad = [k for k in algorithm if k not in _LABEL]
+            if bad:
+                raise Error(f"algorithm dict keys must be collectives ({', '.join(_LABEL)}), got {bad}")
+            return lambda coll: algorithm.get(coll, "auto")
+        raise Error(f"algorithm must be a name or a dict {{collective: name}}, got {algorithm!r}")
+
+    def _load_topology(self, topology):
+        if topology is None:
+            if self.size == 1:
+                return None
+            from .planner import flat_topology
+            return flat_topology(self.size)
+        if isinstance(topology, (str, os.PathLike)):
+            from .topology import Topology
+            return Topology.load(topology)
+        if hasattr(topology, "fingerprint") and hasattr(topology, "nranks"):
+            return topology
+        raise Error(f"topology must be a file path, a ddl.Topology or None, got {type(topology).__name__}")
+
+    def _agree_on_setup(self):
+        """All ranks must plan on the same topology with the same algorithm and check mode."""
+        if self.size == 1:
+            return
+        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement)
+        buf = np.array([h, -h, 0, 0], np.int64)
+        self._pcomm.Allreduce(buf[:2], buf[2:], self._MPI.MAX)
+        if buf[2] == -buf[3]:
+            return
+        mine = (self.topology.name if self.topology is not None else "flat",
+                self.topology.fingerprint[:12] if self.topology is not None else "-", repr(self.algorithm),
+                self.check, self.agreement)
+        table = self._gcomm.allgather(mine)
+        groups = {}
+        for r, sig in enumerate(table):
+            groups.setdefault(sig, []).append(r)
+        parts = [f"{format_ranks(rs)} {'uses' if len(rs) == 1 else 'use'} topology {t!r} (fingerprint {f}), "
+                 f"algorithm={a}, check={c!r}, agreement {g} (env DDL_AGREEMENT)"
+                 for (t, f, a, c, g), rs in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))]
+        self._pcomm.Free()
+        self._gcomm.Free()
+        self._freed = True
+        raise MismatchError("ranks created ddl.Communicator with different settings: " + "; ".join(parts))
+
+    # ---- settings --------------------------------------------------------------------------------
+    @property
+    def stall_warning(self):
+        return self._engine.stall_warning
+
+    @stall_warning.setter
+    def stall_warning(self, seconds):
+        self._engine.stall_warning = float(seconds)
+
+    @property
+    def stall_timeout(self):
+        return self._engine.stall_timeout
+
+    @stall_timeout.setter
+    def stall_timeout(self, seconds):
+        self._engine.stall_timeout = float(seconds)
+
+    @property
+    def planner(self):
+        if self._planner is None:
+            from .planner import Planner
+            self._planner = Planner(self.topology)
+        return self._planner
+
+    # ---- planning --------------------------------------------------------------------------------
+    def _schedule(self, collective, nbytes, root=0):
+        if self.size == 1:
+            sched = Schedule(collective, 1, (1,), ((),), root=0, algorithm="local")
+        else:
+            algorithm = self._algorithm_of(collective)
+            # max(.., 1): the planner cannot rank algorithms on an empty message (all predict 0 s)
+            sched = self.planner.schedule(collective, max(int(nbytes), 1), algorithm=algorithm, root=root)
+        self._check_schedule(sched, collective, root)
+        return sched
+
+    def _check_schedule(self, sched, collective, root):
+        """Once per schedule: it fits this call, is proven (foreign planners), and has a digest."""
+        entry = self._schedule_digests.get(id(sched))
+        if entry is not None and entry[0] is sched:
+            return entry[1]
+        if not isinstance(sched, Schedule):
+            raise PlanError(f"planner returned {type(sched).__name__}, not a ddl Schedule")
+        if sched.nranks != self.size or sched.collective != collective or (
+                collective == "broadcast" and sched.root != root):
+            raise PlanError(f"planner returned {sched!r} (root {sched.root}) for {collective} on "
+                            f"{self.size} ranks (root {root})")
+        from .planner import Planner
+        if self.size > 1 and not isinstance(self.planner, Planner):
+            from .verify import verify
+            verify(sched)  # the built-in planner verifies; foreign ones are proven here
+        digest = digest62(sched.to_json())
+        self._schedule_digests[id(sched)] = (sched, digest)
+        return digest
+
+    def plan(self, nbytes_or_buffer, collective="allreduce", root=0):
+        """The :class:`~ddl.schedule.Schedule` that would run for this size (bytes) or buffer."""
+        if isinstance(nbytes_or_buffer, (int, np.integer)):
+            nbytes = int(nbytes_or_buffer)
+        else:
+            nbytes = parse_buffer(nbytes_or_buffer, "buffer").nbytes
+        return self._schedule(collective, nbytes, root)
+
+    def explain(self, nbytes, collective="allreduce", root=0):
+        """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives)."""
+        return self.planner.plan(collective, int(nbytes), self._algorithm_of(collective), root)
+
+    def _compiled(self, layout, count, dtype, op, root, sig_count):
+        key = (layout, count, dtype, op, root)
+        entry = self._plans.get(key)
+        if entry is not None:
+            return entry
+        collective = _LAYOUT_COLLECTIVE[layout]
+        if op is not None:
+            check_op_dtype(op, dtype)
+        elif dtype.hasobject:
+            raise Error("buffers of Python objects cannot be communicated; use a numeric dtype")
+        sched = self._schedule(collective, count * dtype.itemsize, root)
+        plan = CompiledPlan(sched, self.rank, count, dtype, layout, ufunc=op.ufunc if op is not None else None)
+        sig = Signature(collective, sig_count, dtype, op, root, self._check_schedule(sched, collective, root), self._topology_digest,
+                        self.check)
+        finish = self._finisher(layout, count, op)
+        if len(self._plans) >= _MAX_PLANS:  # bounded: a plan keeps its scratch buffers
+            del self._plans[next(iter(self._plans))]
+        entry = self._plans[key] = (plan, sig, finish, _LABEL[collective] + f"({sig_count} x {dtype.name}"
+                                    + (f", {op.name})" if op is not None else
+                                       (f", root {root})" if collective == "broadcast" else ")")))
+        return entry
+
+    def _finisher(self, layout, count, op):
+        size, rank = self.size, self.rank
+        average = op is not None and op.average and size > 1
+        if layout == "reduce_scatter_inplace":
+            n = count // size
+
+            def finish(ex):
+                buf = ex.bufs[1]
+                if rank:
+                    buf[:n] = buf[rank * n:(rank + 1) * n]
+                if average:
+                    finish_average(buf[:n], size)
+            return finish
+        if not average:
+            return None
+        n = count // size if layout == "reduce_scatter" else count
+
+        def finish(ex):
+            finish_average(ex.bufs[1][:n], size)
+        return finish
+
+    # ---- the engine entry -----------------------------------------------------------------------
+    def _start(self, layout, send, recv, count, dtype, op, root, sig_count):
+        if self._freed:
+            raise Error("this ddl.Communicator was freed")
+        plan, sig, finish, label = self._compiled(layout, count, dtype, op, root, sig_count)
+        seq = self._seq
+        self._seq = seq + 1
+        mode = self.check
+        if self.size == 1:
+            check = False
+        elif mode == "always":
+            check = True
+        elif mode == "new":
+            check = sig.base not in self._seen
+            self._seen.add(sig.base)
+        else:
+            check = False
+        ex = Execution(plan, seq, sig, check, label, send, recv, finish)
+        ex.sig_hash = sig.hash(seq)
+        ex.salt = sig.base
+        self._engine.start(ex)
+        return ex
+
+    def _reduction_args(self, sendbuf, recvbuf, op, what="Allreduce"):
+        op = resolve_op(op)
+        if is_in_place(sendbuf):
+            recv = parse_buffer(recvbuf, "recvbuf", writable=True)
+            return None, recv, op
+        send = parse_buffer(sendbuf, "sendbuf")
+        recv = parse_buffer(recvbuf, "recvbuf", writable=True)
+        if send.dtype != recv.dtype:
+            raise Error(f"{what}: sendbuf is {send.dtype} but recvbuf is {recv.dtype}; ddl does not convert")
+        if _same_memory(send, recv, what):
+            return None, recv, op  # Allreduce(buf, buf): in place
+        return send, recv, op
+
+    def _allreduce_start(self, sendbuf, recvbuf, op):
+        # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
+        hit = self._args.get((id(sendbuf), id(recvbuf), id(op)))
+        if hit is not None and hit[0] is sendbuf and hit[1] is recvbuf and hit[2] is op and \
+                recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]):
+            return self._start(*hit[5])
+        send, recv, op_ = self._reduction_args(sendbuf, recvbuf, op)
+        if send is None:
+            args = ("allreduce_inplace", None, recv, recv.size, recv.dtype, op_, 0, recv.size)
+        else:
+            if send.size != recv.size:
+                raise Error(f"Allreduce: sendbuf has {send.size} elements but recvbuf {recv.size}; they must match")
+            args = ("allreduce", send, recv, recv.size, recv.dtype, op_, 0, recv.size)
+        ex = self._start(*args)
+        if type(recvbuf) is np.ndarray and recv.nbytes <= _ARG_CACHE_BYTES and (
+                type(sendbuf) is np.ndarray or is_in_place(sendbuf)):
+            # holds references to both arrays, so their ids cannot be reused while cached
+            if len(self._args) >= 16:
+                del self._args[next(iter(self._args))]
+            self._args[(id(sendbuf), id(recvbuf), id(op))] = (
+                sendbuf, recvbuf, op, recvbuf.dtype, None if send is None else sendbuf.dtype, args)
+        return ex
+
+    def _reduce_scatter_start(self, sendbuf, recvbuf, op):
+        send, recv, op = self._reduction_args(sendbuf, recvbuf, op, "Reduce_scatter_block")
+        p = self.size
+        if send is None:
+            if recv.size % p:
+                raise Error(f"Reduce_scatter_block(IN_PLACE): recvbuf must hold size*n = {p}*n elements, got {recv.size}")
+            return self._start("reduce_scatter_inplace", None, recv, recv.size, recv.dtype, op, 0, recv.size // p)
+        if send.size != p * recv.size:
+            raise Error(f"Reduce_scatter_block: sendbuf must hold size*n = {p}*{recv.size} = {p * recv.size} "
+                        f"elements for a recvbuf of {recv.size}, got {send.size}")
+        return self._start("reduce_scatter", send, recv, send.size, recv.dtype, op, 0, recv.size)
+
+    def _allgather_start(self, sendbuf, recvbuf):
+        p = self.size
+        recv = parse_buffer(recvbuf, "recvbuf", writable=True)
+        if is_in_place(sendbuf):
+            if recv.size % p:
+                raise Error(f"Allgather(IN_PLACE): recvbuf must hold size*n = {p}*n elements, got {recv.size}")
+            return self._start("allgather_inplace", None, recv, recv.size, recv.dtype, None, 0, recv.size // p)
+        send = parse_buffer(sendbuf, "sendbuf")
+        if send.dtype != recv.dtype:
+            raise Error(f"Allgather: sendbuf is {send.dtype} but recvbuf is {recv.dtype}; ddl does not convert")
+        if recv.size != p * send.size:
+            raise Error(f"Allgather: recvbuf must hold size*n = {p}*{send.size} = {p * send.size} elements, "
+                        f"got {recv.size}")
+        if _same_memory(send, recv, "Allgather"):
+            raise Error("Allgather: sendbuf and recvbuf are the same memory; use ddl.IN_PLACE")
+        return self._start("allgather", send, recv, recv.size, recv.dtype, None, 0, send.size)
+
+    def _bcast_start(self, buf, root):
+        root = int(root)
+        if not 0 <= root < self.size:
+            raise Error(f"Bcast: root {root} is not a rank of this communicator (size {self.size})")
+        b = parse_buffer(buf, "buf", writable=True)
+        return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size)
+
+    # ---- mpi4py-style API --------------------------------------------------------------------------
+    def Allreduce(self, sendbuf, recvbuf, op=SUM):
+        """``recvbuf = op(sendbuf of every rank)``; ``sendbuf`` may be ``ddl.IN_PLACE``."""
+        self._engine.wait(self._allreduce_start(sendbuf, recvbuf, op))
+
+    def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+        return Request(self._allreduce_start(sendbuf, recvbuf, op), self._engine)
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        """Rank r gets block r (``n`` elements) of ``op`` over every rank's ``sendbuf`` (``size*n``)."""
+        self._engine.wait(self._reduce_scatter_start(sendbuf, recvbuf, op))
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        return Request(self._reduce_scatter_start(sendbuf, recvbuf, op), self._engine)
+
+    def Allgather(self, sendbuf, recvbuf):
+        """Block r of ``recvbuf`` (``size*n`` elements) gets rank r's ``sendbuf`` (``n``)."""
+        self._engine.wait(self._allgather_start(sendbuf, recvbuf))
+
+    def Iallgather(self, sendbuf, recvbuf):
+        return Request(self._allgather_start(sendbuf, recvbuf), self._engine)
+
+    def Bcast(self, buf, root=0):
+        """Every rank's ``buf`` gets ``root``'s."""
+        self._engine.wait(self._bcast_start(buf, root))
+
+    def Ibcast(self, buf, root=0):
+        return Request(self._bcast_start(buf, root), self._engine)
+
+    def Barrier(self):
+        """Returns when every rank has called it (drives in-flight collectives meanwhile)."""
+        self._engine.wait(self._barrier_start())
+
+    def Ibarrier(self):
+        return Request(self._barrier_start(), self._engine)
+
+    def _barrier_start(self):
+        if self._freed:
+            raise Error("this ddl.Communicator was freed")
+        key = ("barrier",)
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._plans[key] = Signature("barrier", 0, None, None, 0, 0, self._topology_digest, self.check)
+        seq = self._seq
+        self._seq = seq + 1
+        ex = Execution(None, seq, entry, self.size > 1, "Barrier()", None, None)
+        ex.sig_hash = entry.hash(seq)
+        ex.salt = entry.base
+        self._engine.start(ex)
+        return ex
+
+    # ---- Horovod-style functional API ---------------------------------------------------------------
+    def allreduce(self, array, op=SUM):
+        """A new array: ``op`` over every rank's ``array`` (any array-like; scalars give scalars)."""
+        return self.iallreduce(array, op).wait()
+
+    def iallreduce(self, array, op=SUM):
+        """Nonblocking :meth:`allreduce`: ``req.wait()`` returns the new array."""
+        scalar = np.isscalar(array)
+        arr = np.asarray(array)
+        if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+            arr = np.ascontiguousarray(arr)
+        out = np.empty_like(arr)
+        ex = self._allreduce_start(arr, out, op)
+        return Request(ex, self._engine, (lambda: out.item()) if scalar else (lambda: out))
+
+    def grouped_allreduce(self, arrays, op=SUM):
+        """``[allreduce(a) for a in arrays]`` with one collective per dtype over a packed buffer."""
+        return self.grouped_iallreduce(arrays, op).wait()
+
+    def grouped_iallreduce(self, arrays, op=SUM):
+        arrays = [np.asarray(a) for a in arrays]
+        groups = {}
+        for i, a in enumerate(arrays):
+            groups.setdefault(a.dtype, []).append(i)
+        results = [None] * len(arrays)
+        reqs = []
+        for dtype, idx in groups.items():
+            total = sum(arrays[i].size for i in idx)
+            packed = np.empty(total, dtype)
+            off = 0
+            for i in idx:
+                n = arrays[i].size
+                packed[off:off + n] = arrays[i].reshape(-1)
+                results[i] = packed[off:off + n].reshape(arrays[i].shape)
+                off += n
+            reqs.append(self._allreduce_start(IN_PLACE, packed, op))
+        return _GroupRequest(reqs, self._engine, results)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def Free(self):
+        """Complete in-flight collectives and free the private communicators (collective)."""
+        if self._freed:
+            return
+        for ex in list(self._engine.inflight.values()):
+            self._engine.wait(ex)
+        self._freed = True
+        self._engine.close()
+        self._plans.clear()
+        self._args.clear()
+        if self._board is not None:
+            self._board.free()
+        self._pcomm.Free()
+        self._gcomm.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and self._engine.broken is None:
+            self.Free()
+        else:
+            # Freeing is collective; after an error the other ranks may not get here: do not hang.
+            self._freed = True
+            self._engine.close()
+        return False
+
+    def __repr__(self):
+        topo = self.topology.name if self.topology is not None else "single rank"
+        return f"<ddl.Communicator rank {self.rank}/{self.size} on {topo}, check={self.check}>"
+
+
+class _GroupRequest(Request):
+    __slots__ = ("_reqs",)
+
+    def __init__(self, exs, engine, results):
+        super().__init__(exs[-1] if exs else None, engine, None)
+        self._reqs = exs
+        self._result = results
+
+    def Wait(self):
+        for ex in self._reqs:
+            self._engine.wait(ex)
+        return True
+
+    def Test(self):
+        return all([self._engine.test(ex) for ex in self._reqs])
+
+    test = Test
+
+    def wait(self):
+        self.Wait()
+        return self._result
+
+    @property
+    def done(self):
+        return all(ex.done for ex in self._reqs)
+
+
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _same_memory(a, b, what):
+    """True when ``a`` and ``b`` are exactly the same memory; ddl.Error when they partly overlap."""
+    if a.size and b.size and np.may_share_memory(a, b):
+        if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
+            return True
+        raise Error(f"{what}: sendbuf and recvbuf overlap in memory; use ddl.IN_PLACE for in-place operation")
+    return False

@@ -1,0 +1,933 @@
+"""Host MPI executor: runs a :class:`~ddl.schedule.Schedule` on numpy buffers with nonblocking MPI.
+
+Pieces
+------
+:class:`CompiledPlan`
+    A schedule instantiated for one rank, element count, item size and buffer layout, computed once
+    and cached: for every op (ops on empty chunks dropped -- every rank drops the same ones, since
+    chunk ranges are identical everywhere) its byte/element ranges, where it reads from, where it
+    writes to, its scratch slot, its dependency counter and its dependents.
+:class:`Execution`
+    One in-flight collective: the user's buffers, the per-call counters, its tag base.
+:class:`Engine`
+    The progress engine of one :class:`ddl.Communicator`. It owns ONE array of MPI requests for all
+    in-flight collectives and drives all of them whenever any ``Wait``/``Test`` is called (with
+    ``MPI_Testsome``), so ranks waiting on different requests cannot deadlock.
+
+Execution rules
+---------------
+* Traffic uses a private duplicate of the user's communicator, so it never matches user messages.
+* An op starts only when the ops it depends on (``schedule.dependencies``) have completed.
+* Receives are posted early, at the start of the data phase, in program order: a ``recv`` that is the
+  first op on its chunk directly into its destination; every ``reduce``, and a ``recv`` that must
+  wait for earlier ops on its chunk, into a scratch slot (the reduction is then
+  ``ufunc(local, scratch, out=local)``: no temporary). For chunks larger than ``early_limit`` bytes
+  (default 256 KiB, env ``DDL_EARLY_LIMIT``) receives that have dependencies are posted only when
+  those complete, a ``recv`` then directly into place (large messages use MPI's rendezvous protocol,
+  so posting late costs no extra copy, while an early scratch receive would cost one). Either way the
+  receives of one chunk from one peer are posted in program order, which with MPI's non-overtaking
+  rule pairs the k-th send with the k-th receive exactly as ``schedule.matches`` says.
+* Sends are issued as soon as their dependencies complete, straight from the buffer (no copy).
+* Reductions of a chunk happen in program order (each waits for the previous write to its chunk), so
+  the reduction order -- hence every bit of the result -- is a fixed function of the schedule.
+* Tags: ``1 + slot * 2**chunk_bits + chunk`` with ``slot = (seq mod window, signature salt)``, all
+  within ``MPI.TAG_UB``; at most ``window - 1`` collectives are in flight per rank (starting another
+  first completes the oldest), so concurrent collectives never cross. Tag 0 is never used for data.
+* Buffers: each chunk has an *initial* location (where this rank's input for it is) and a *home*
+  (where its value is written and the result ends). For ``Allreduce(sendbuf, recvbuf)`` the initial
+  location is ``sendbuf`` and the home ``recvbuf``: sends before the first write read ``sendbuf``,
+  the first reduction is ``ufunc(sendbuf_chunk, incoming, out=recvbuf_chunk)``, so no copy of
+  ``sendbuf`` is ever made. Reduce-scatter keeps blocks other than its own in a cached workspace;
+  allgather reads its own block from ``sendbuf`` and copies it into ``recvbuf`` once.
+
+Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement board, see
+:class:`ddl.agreement.ShmBoard`), and when nothing completed:
+
+* node not oversubscribed (a core per rank): spin a few polls, then ``sched_yield``, then naps backing
+  off from 100 us to 1 ms after 2 ms without progress;
+* oversubscribed (more ranks than cores on the node, detected; env ``DDL_OVERSUBSCRIBED``): a waiting
+  rank must leave the CPU to the rank it waits for: it yields after every empty poll, and after 1 ms
+  without progress sleeps on a futex *doorbell* that peers ring when they send it a message or
+  complete an agreement (:class:`Doorbell`, x86-64 Linux, one node), or else naps 20-200 us. A
+  spinning MPI is what makes 8 ranks on 2 cores slow under any competing load.
+
+Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``DDL_IDLE_NAP``,
+``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0``, ``DDL_EARLY_LIMIT``,
+``DDL_LARGE_MESSAGE``).
+"""
+import os
+import sys
+import time
+import weakref
+
+import numpy as np
+
+from .errors import Error, StallError
+from .schedule import RECV, REDUCE, SEND
+
+# compiled op codes
+C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
+# buffer ids
+B_SEND, B_RECV, B_WORK, B_SCRATCH = range(4)
+# request events
+EV_ARRIVE, EV_DONE, EV_LATE_REDUCE, EV_AGREE, EV_GATHER = range(5)
+
+_CODE_NAMES = {C_SEND: "send", C_RECV_DIRECT: "recv", C_RECV_SCRATCH: "recv", C_RECV_LATE: "recv",
+               C_REDUCE_EARLY: "reduce", C_REDUCE_LATE: "reduce"}
+
+STATUS_TAG = 7  # on the signature communicator, never the data one
+_VIEW_CACHE_BYTES = 1 << 20  # plans up to this size cache their per-op views (see CompiledPlan.views)
+_EAGER_TEST = 4096           # sends up to this size are tested for completion right after MPI_Isend
+_ENGINES = []  # weak references to every live engine of this process (see Engine.poll); a plain list: len() is cheap
+
+
+def _env_float(name, default):
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise Error(f"environment variable {name}={value!r} is not a number") from None
+
+
+class TagSpace:
+    """How tags are carved out of ``[1, TAG_UB]``: window x salt x chunk bits."""
+
+    def __init__(self, tag_ub):
+        bits = max(int(tag_ub + 1).bit_length() - 2, 8)  # 2**bits <= TAG_UB
+        self.window_bits = min(5, max(1, bits - 9))
+        self.salt_bits = min(6, max(0, bits - self.window_bits - 12))
+        self.chunk_bits = bits - self.window_bits - self.salt_bits
+        self.window = 1 << self.window_bits
+        self.max_chunks = (1 << self.chunk_bits) - 1
+
+    def base(self, seq, salt):
+        slot = ((seq & (self.window - 1)) << self.salt_bits) | (salt & ((1 << self.salt_bits) - 1))
+        return 1 + (slot << self.chunk_bits)
+
+
+class CompiledPlan:
+    """A schedule instantiated for (rank, count, itemsize, layout); see the module docstring."""
+
+    def __init__(self, schedule, rank, count, dtype, layout, ufunc=None, early_limit=None):
+        self.schedule, self.rank, self.count, self.dtype, self.layout = schedule, rank, count, dtype, layout
+        self.ufunc = ufunc
+        isz = self.itemsize = np.dtype(dtype).itemsize
+        if early_limit is None:
+            early_limit = int(_env_float("DDL_EARLY_LIMIT", 256 * 1024))
+        n = schedule.nranks
+        ranges = schedule.chunk_ranges(count)
+        block = count // schedule.nblocks
+        nchunks = schedule.nchunks
+
+        # initial location and home of every chunk (element offsets)
+        init = [None] * nchunks
+        home = [None] * nchunks
+        needed = [False] * nchunks
+        for c in range(nchunks):
+            s = int(ranges[c, 0])
+            b = schedule.block_of(c)
+            if layout == "allreduce":
+                init[c], home[c], needed[c] = (B_SEND, s), (B_RECV, s), True
+            elif layout == "allreduce_inplace" or layout == "broadcast" or layout == "allgather_inplace":
+                init[c], home[c], needed[c] = (B_RECV, s), (B_RECV, s), True
+                if layout == "broadcast" and rank != schedule.root:
+                    init[c] = None
+                if layout == "allgather_inplace" and b != rank:
+                    init[c] = None
+            elif layout == "reduce_scatter":
+                init[c] = (B_SEND, s)
+                home[c] = (B_RECV, s - rank * block) if b == rank else (B_WORK, s)
+                needed[c] = b == rank
+            elif layout == "reduce_scatter_inplace":
+                init[c], home[c], needed[c] = (B_RECV, s), (B_RECV, s), b == rank
+            elif layout == "allgather":
+                init[c] = (B_SEND, s - rank * block) if b == rank else None
+                home[c], needed[c] = (B_RECV, s), True
+            else:
+                raise Error(f"unknown buffer layout {layout!r}")
+        self.needs_work = layout == "reduce_scatter" and n > 1
+
+        program = schedule.programs[rank]
+        deps = schedule.dependencies[rank]
+        keep = [i for i, op in enumerate(program) if ranges[op.chunk, 1] > ranges[op.chunk, 0]]
+        new_index = {old: k for k, old in enumerate(keep)}
+        written = [False] * nchunks
+        ops, need0, dependents, early, orig = [], [], [[] for _ in keep], [], []
+        scratch = 0
+        for k, i in enumerate(keep):
+            kind, c, peer = program[i]
+            e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
+            ln = e1 - e0
+            hb, ho = home[c]
+            if written[c]:
+                sb, so = hb, ho
+            else:
+                if init[c] is None:
+                    if kind == SEND or kind == REDUCE:
+                        raise Error(f"schedule {schedule!r}: rank {rank} op {i} uses chunk {c} before it holds data")
+                    sb, so = hb, ho
+                else:
+                    sb, so = init[c]
+            my_deps = [new_index[d] for d in deps[i]]  # deps are on the same chunk: never dropped
+            for d in my_deps:
+                dependents[d].append(k)
+            nd = len(my_deps)
+            scr = (0, 0)
+            if kind == SEND:
+                code = C_SEND
+                need = nd
+            else:
+                small = ln * isz <= early_limit
+                if kind == RECV:
+                    code = C_RECV_DIRECT if nd == 0 else (C_RECV_SCRATCH if small else C_RECV_LATE)
+                else:
+                    code = C_REDUCE_EARLY if (nd == 0 or small) else C_REDUCE_LATE
+                if code in (C_RECV_SCRATCH, C_REDUCE_EARLY, C_REDUCE_LATE):
+                    scr = (scratch, scratch + ln)
+                    scratch += ln
+                if code in (C_RECV_DIRECT, C_RECV_SCRATCH, C_REDUCE_EARLY):
+                    early.append(k)
+                    need = nd + 1  # +1: the arrival of the message
+                else:
+                    need = nd
+                written[c] = True
+            # (code, peer, chunk, read buf, read e0, read e1, home buf, home e0, home e1, scratch e0, scratch e1,
+            #  read b0, read b1, home b0, home b1, scratch b0, scratch b1)
+            ops.append((code, peer, c, sb, so, so + ln, hb, ho, ho + ln, scr[0], scr[1],
+                        so * isz, (so + ln) * isz, ho * isz, (ho + ln) * isz, scr[0] * isz, scr[1] * isz))
+            need0.append(need)
+            orig.append(i)
+        self.ops = ops
+        self.need0 = need0
+        self.dependents = [tuple(d) for d in dependents]
+        self.early = early
+        self.ready0 = [k for k, nd in enumerate(need0) if nd == 0]
+        self.original_index = orig
+        self.scratch_elems = scratch
+        # chunks needed here but never written: copy initial -> home (e.g. allgather's own block, 1 rank)
+        copies = []
+        for c in range(nchunks):
+            e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
+            if needed[c] and not written[c] and e1 > e0 and init[c] is not None and init[c] != home[c]:
+                copies.append((init[c][0], init[c][1], home[c][0], home[c][1], e1 - e0))
+        self.copies = copies
+        self.nops = len(ops)
+        self.max_chunk = nchunks
+        # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
+        large = int(_env_float("DDL_LARGE_MESSAGE", 16 * 1024))
+        self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
+        self._pool = []  # free (scratch, work) pairs
+        self._vcache = None
+
+    def views(self, bufs):
+        """Per op: its message buffer (bytes) and, for local work, its typed operands.
+
+        Cached for the last buffers seen when the plan is small (a training loop passes the same arrays
+        every step, and slicing is most of the per-op cost of a small collective); the cache holds
+        references to those arrays, so their identity cannot be reused while it lives."""
+        c = self._vcache
+        if c is not None:
+            k = c[0]
+            if k[0] is bufs[0] and k[1] is bufs[1] and k[2] is bufs[2] and k[3] is bufs[3]:
+                return c[1]
+        byts = [None if b is None else b.view(np.uint8) for b in bufs]
+        scr_b, scr_t = byts[B_SCRATCH], bufs[B_SCRATCH]
+        vs = []
+        for o in self.ops:
+            code = o[0]
+            if code == C_SEND:
+                vs.append((byts[o[3]][o[11]:o[12]],))
+            elif code == C_RECV_DIRECT or code == C_RECV_LATE:
+                vs.append((byts[o[6]][o[13]:o[14]],))
+            elif code == C_RECV_SCRATCH:
+                vs.append((scr_b[o[15]:o[16]], scr_t[o[9]:o[10]], bufs[o[6]][o[7]:o[8]]))
+            else:  # reductions: message into scratch; out = local (initial or home) op incoming
+                vs.append((scr_b[o[15]:o[16]], bufs[o[3]][o[4]:o[5]], scr_t[o[9]:o[10]], bufs[o[6]][o[7]:o[8]]))
+        if self.count * self.itemsize <= _VIEW_CACHE_BYTES:
+            self._vcache = (tuple(bufs), vs)
+        return vs
+
+    def acquire(self):
+        """(scratch, work), reused across calls (fresh large arrays cost page faults)."""
+        if self._pool:
+            return self._pool.pop()
+        scratch = np.empty(self.scratch_elems, self.dtype) if self.scratch_elems else None
+        work = np.empty(self.count, self.dtype) if self.needs_work else None
+        return scratch, work
+
+    def release(self, pair):
+        if len(self._pool) < 4:
+            self._pool.append(pair)
+
+    def describe_op(self, k):
+        code, peer, c = self.ops[k][:3]
+        i = self.original_index[k]
+        word = "to" if code == C_SEND else "from"
+        return f"op {i} ({_CODE_NAMES[code]} chunk {c} {word} rank {peer})"
+
+
+class Execution:
+    """One collective in flight (see :class:`Engine`)."""
+
+    __slots__ = ("plan", "seq", "sig", "sig_hash", "check", "salt", "tag_base", "bufs", "views", "need",
+                 "remaining", "state", "error", "done", "check_buf", "gather_buf", "resources", "finish",
+                 "t_start", "t_progress", "warned", "label", "agree_done", "engine")
+
+    def __init__(self, plan, seq, sig, check, label, sendbuf, recvbuf, finish=None):
+        self.plan, self.seq, self.sig, self.check, self.label = plan, seq, sig, check, label
+        self.bufs = [sendbuf, recvbuf, None, None]
+        self.views = None
+        self.need = None
+        self.remaining = -1
+        self.state = "new"
+        self.error = None
+        self.done = False
+        self.finish = finish
+        self.resources = None
+        self.warned = False
+        self.agree_done = False
+        self.check_buf = self.gather_buf = None
+
+
+class Doorbell:
+    """Futex doorbells in the shared-memory board: an idle rank sleeps in the kernel until a peer rings.
+
+    On a node with more ranks than cores, a waiting rank must get off the CPU (a spinning one steals the
+    core of the rank it waits for), but a nap costs its length in latency on every message hop. With a
+    doorbell the waiting rank reads its bell, polls MPI once more, and sleeps on the bell (``FUTEX_WAIT``
+    with a timeout); a rank that sends it a message, or completes the agreement, increments the bell
+    and wakes it (``FUTEX_WAKE``). The futex protocol (the kernel compares the value under its lock)
+    loses no wake-up; the timeout (2 ms) is only a safety net and keeps the stall watchdog ticking.
+    Eager messages are in the receiver's shared-memory queue when ``MPI_Isend`` returns, so a woken
+    rank finds them; transfers that need several MPI handshakes (large messages) make the engine fall
+    back to short naps while they are in flight.
+    """
+
+    SYS_FUTEX = {"x86_64": 202, "amd64": 202}
+    TIMEOUT = 0.002
+
+    def __init__(self, board, rank):
+        import ctypes
+        import platform
+        self.nr = self.SYS_FUTEX[platform.machine().lower()]
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._syscall = libc.syscall
+        self._syscall.restype = ctypes.c_long
+        self._syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int]
+
+        class Timespec(ctypes.Structure):
+            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+        sec = int(self.TIMEOUT)
+        self._timeout = ctypes.byref(Timespec(sec, int((self.TIMEOUT - sec) * 1e9)))
+        bells = board.bells                        # int32 views, one word per rank, stride 8 bytes
+        base = bells.ctypes.data
+        step = bells.strides[0] // 4
+        self.addr = [base + r * bells.strides[0] for r in range(board.size)]
+        self.rank = rank
+        # plain memoryview over the words: reading/bumping a bell costs ~0.1 us instead of numpy's ~1 us
+        raw = np.frombuffer(bells.base, dtype=np.int32)
+        self._words = memoryview(bells.base).cast("B").cast("i")
+        offset = (base - raw.ctypes.data) // 4
+        self._idx = [offset + r * step for r in range(board.size)]
+        foffset = (board.sleeping.ctypes.data - raw.ctypes.data) // 4
+        self._flag = [foffset + r * step for r in range(board.size)]
+        self._me = self._idx[rank]
+        self._my_flag = self._flag[rank]
+
+    @classmethod
+    def supported(cls):
+        import platform
+        return platform.machine().lower() in cls.SYS_FUTEX
+
+    def value(self):
+        return self._words[self._me]
+
+    def ring(self, r):
+        i = self._idx[r]
+        w = self._words
+        w[i] = (w[i] + 1) & 0x7FFFFFFF  # not atomic: two ringers may both write v+1, which still wakes it
+        if w[self._flag[r]]:            # the wake system call only when the peer sleeps (or is about to)
+            self._syscall(self.nr, self.addr[r], 1, 0x7FFFFFFF, None, None, 0)  # FUTEX_WAKE (shared)
+
+    def wait(self, value):
+        """Sleep until the bell differs from ``value`` (rung), or the timeout.
+
+        The sleep flag is raised before the caller's last poll (see Engine._drive_until) and the kernel
+        compares the bell under its lock, so a ring that happens after ``value`` was read either is
+        seen by that poll, or changes the bell before the sleep (no sleep), or finds the flag raised
+        and wakes us. (A ringer could read a stale flag only within a store-buffer drain, far shorter
+        than the poll in between; the timeout bounds even that.)"""
+        self._syscall(self.nr, self.addr[self.rank], 0, value, self._timeout, None, 0)  # FUTEX_WAIT
+        self._words[self._my_flag] = 0
+
+    def prepare(self):
+        """Raise the sleep flag and return the bell's value (then poll once more, then :meth:`wait`)."""
+        self._words[self._my_flag] = 1
+        return self._words[self._me]
+
+    def cancel(self):
+        self._words[self._my_flag] = 0
+
+
+class Engine:
+    """Progress engine of one communicator: owns every in-flight collective and their requests.
+
+    ``board`` is a :class:`ddl.agreement.ShmBoard` when the communicator lives on one node (the
+    agreement then goes through shared memory), else None (``MPI_Iallreduce``). ``oversubscribed``
+    says that this node runs more ranks than it has cores: waiting ranks then sleep on their doorbell
+    (or nap) at once instead of spinning, so the ranks that have work get the cores.
+    """
+
+    def __init__(self, pcomm, gcomm, stall_warning, stall_timeout, board=None, oversubscribed=False):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.pcomm, self.gcomm, self.board = pcomm, gcomm, board
+        self.rank, self.size = pcomm.Get_rank(), pcomm.Get_size()
+        self.tags = TagSpace(pcomm.Get_attr(MPI.TAG_UB) or 32767)
+        self.stall_warning, self.stall_timeout = stall_warning, stall_timeout
+        self.reqs = []      # MPI requests (completed ones become REQUEST_NULL until compaction)
+        self.owners = []    # parallel: (execution, op index, event) or None
+        self.nactive = 0
+        self.inflight = {}  # seq -> Execution, in start order
+        self.agree_queue = []  # checked executions in start order; results processed in that order
+        self.broken = None
+        self._testsome = MPI.Request.Testsome
+        self._isend = pcomm.Isend
+        self._irecv = pcomm.Irecv
+        self._now = self._last_drive = time.monotonic()
+        self._status_sent = set()
+        self._status = {}
+        self._status_reqs = []
+        self._last_status_poll = 0.0
+        self.oversubscribed = oversubscribed
+        # idle policy (see _drive_until): `spin` empty polls, then sched_yield until `sleep_after` s without
+        # progress, then doorbell sleep or naps. Oversubscribed: yield at once, sleep after 1 ms.
+        self.spin = int(_env_float("DDL_SPIN", 0 if oversubscribed else 64))
+        self.sleep_after = _env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
+        self.nap = _env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
+        self.nap_max = max(self.nap, _env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))
+        if oversubscribed and os.environ.get("DDL_TIMERSLACK", "1") != "0":
+            _tight_timer_slack()
+        use_bell = os.environ.get("DDL_DOORBELL", "auto")
+        self.bell = None
+        if board is not None and Doorbell.supported() and (use_bell == "1" or (use_bell == "auto" and oversubscribed)):
+            self.bell = Doorbell(board, self.rank)
+        self._large = 0  # in-flight collectives with multi-handshake (large) messages: no doorbell sleep
+        self._to_ring = set()  # peers sent to since the last flush (a woken peer may preempt us at once,
+        #                         so we ring after issuing all the sends of a round of work)
+        _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None] + [weakref.ref(self)]
+
+    # ---- starting ---------------------------------------------------------------------------------
+    def start(self, ex):
+        if self.broken is not None:
+            raise Error(f"this ddl communicator is unusable after an earlier failure: {self.broken}")
+        while len(self.inflight) >= self.tags.window - 1:
+            self.wait(next(iter(self.inflight.values())))
+        if ex.plan is not None and ex.plan.max_chunk > self.tags.max_chunks:
+            raise Error(f"schedule has {ex.plan.max_chunk} chunks; this MPI's TAG_UB allows at most "
+                        f"{self.tags.max_chunks}: plan with fewer chunks")
+        ex.engine = self
+        ex.tag_base = self.tags.base(ex.seq, ex.salt)
+        ex.t_start = ex.t_progress = time.monotonic()
+        self.inflight[ex.seq] = ex
+        if not ex.check:
+            self._start_data(ex)
+            if self._to_ring:
+                self._flush_rings()
+            return
+        ex.state = "agreement"
+        board = self.board
+        if board is not None:
+            if not board.can_post(ex.seq):   # a peer is DEPTH collectives behind: let it catch up
+                self._drive_until(lambda: board.can_post(ex.seq), ex)
+            board.post(ex.seq, ex.sig.vector)
+            self.agree_queue.append(ex)
+            if self.bell is not None:
+                board.fence()  # of two ranks arriving together, at least one sees it is last
+                if board.ready(ex.seq):
+                    self._to_ring.update(r for r in range(self.size) if r != self.rank)
+            self._poll_board()
+            if self._to_ring:
+                self._flush_rings()
+        else:
+            ex.check_buf = buf = _check_buffer(ex.sig_hash)
+            self._add(self.pcomm.Iallreduce(buf[:2], buf[2:], self.MPI.MAX), (ex, -1, EV_AGREE))
+            self.agree_queue.append(ex)
+
+    def close(self):
+        """The communicator was freed: stop being driven by the other engines."""
+        _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None and ref() is not self]
+        self.broken = self.broken or "the communicator was freed"
+
+    def _add(self, req, owner):
+        self.reqs.append(req)
+        self.owners.append(owner)
+        self.nactive += 1
+
+    def _start_data(self, ex):
+        plan = ex.plan
+        ex.state = "data"
+        if plan is None:  # barrier: the agreement was all of it
+            self._finish(ex)
+            return
+        if plan.nops == 0:
+            bufs = ex.bufs
+            for sb, so, hb, ho, ln in plan.copies:
+                bufs[hb][ho:ho + ln] = bufs[sb][so:so + ln]
+            self._finish(ex)
+            return
+        if plan.large:
+            self._large += 1
+        res = ex.resources = plan.acquire()
+        bufs = ex.bufs
+        bufs[B_SCRATCH], bufs[B_WORK] = res[0], res[1]
+        views = ex.views = plan.views(bufs)
+        ex.need = plan.need0.copy()
+        ex.remaining = plan.nops
+        ops = plan.ops
+        tb = ex.tag_base
+        irecv = self._irecv
+        reqs, owners = self.reqs, self.owners
+        for k in plan.early:
+            o = ops[k]
+            reqs.append(irecv(views[k][0], o[1], tb + o[2]))
+            owners.append((ex, k, EV_ARRIVE))
+        self.nactive += len(plan.early)
+        if plan.ready0:
+            self._run(ex, plan.ready0.copy())
+        for sb, so, hb, ho, ln in plan.copies:
+            bufs[hb][ho:ho + ln] = bufs[sb][so:so + ln]
+        if ex.remaining == 0:
+            self._finish(ex)
+
+    # ---- dataflow ---------------------------------------------------------------------------------
+    def _run(self, ex, ready):
+        """Fire every op in ``ready`` (their counters hit zero) and whatever they make ready, FIFO."""
+        plan = ex.plan
+        ops, dependents = plan.ops, plan.dependents
+        need, views = ex.need, ex.views
+        tb = ex.tag_base
+        reqs, owners = self.reqs, self.owners
+        i = 0
+        while i < len(ready):
+            k = ready[i]
+            i += 1
+            o = ops[k]
+            code = o[0]
+            if code == C_SEND:
+                req = self._isend(views[k][0], o[1], tb + o[2])
+                if self.bell is not None:
+                    self._to_ring.add(o[1])   # rung after this round of work (_flush_rings)
+                if o[12] - o[11] <= _EAGER_TEST and req.Test():
+                    # an eager send is usually complete on return (copied into the peer's queue):
+                    # finish it now instead of tracking a request and dispatching its completion later
+                    ex.remaining -= 1
+                    for j in dependents[k]:
+                        need[j] -= 1
+                        if need[j] == 0:
+                            ready.append(j)
+                    continue
+                reqs.append(req)
+                owners.append((ex, k, EV_DONE))
+                self.nactive += 1
+                continue
+            if code == C_RECV_LATE:
+                reqs.append(self._irecv(views[k][0], o[1], tb + o[2]))
+                owners.append((ex, k, EV_DONE))
+                self.nactive += 1
+                continue
+            if code == C_REDUCE_LATE:
+                reqs.append(self._irecv(views[k][0], o[1], tb + o[2]))
+                owners.append((ex, k, EV_LATE_REDUCE))
+                self.nactive += 1
+                continue
+            if code == C_REDUCE_EARLY:
+                v = views[k]
+                plan.ufunc(v[1], v[2], out=v[3])
+            elif code == C_RECV_SCRATCH:
+                v = views[k]
+                v[2][...] = v[1]
+            # completed locally
+            ex.remaining -= 1
+            for j in dependents[k]:
+                need[j] -= 1
+                if need[j] == 0:
+                    ready.append(j)
+
+    def _complete(self, ex, k):
+        ex.remaining -= 1
+        ready = None
+        need = ex.need
+        for j in ex.plan.dependents[k]:
+            need[j] -= 1
+            if need[j] == 0:
+                if ready is None:
+                    ready = [j]
+                else:
+                    ready.append(j)
+        if ready is not None:
+            self._run(ex, ready)
+        if ex.remaining == 0:
+            self._finish(ex)
+
+    def _finish(self, ex):
+        try:
+            if ex.finish is not None:
+                ex.finish(ex)
+        except Exception as exc:  # pragma: no cover - finishing is local numpy work
+            ex.error = exc
+        if ex.resources is not None:
+            ex.plan.release(ex.resources)
+            ex.resources = None
+            if ex.plan.large:
+                self._large -= 1
+        ex.bufs = ex.views = None
+        ex.state = "done"
+        ex.done = True
+        del self.inflight[ex.seq]
+
+    def _fail(self, ex, exc):
+        ex.error = exc
+        if ex.resources is not None and ex.plan.large:
+            self._large -= 1
+        ex.resources = None  # requests may still write into them: never reuse
+        ex.state = "failed"
+        ex.done = True
+        self.inflight.pop(ex.seq, None)
+
+    # ---- agreement --------------------------------------------------------------------------------
+    def _agreement_ready(self):
+        """MPI path: process finished checks in start order (Iallgathers must start in the same order)."""
+        q = self.agree_queue
+        while q and q[0].agree_done:
+            ex = q.pop(0)
+            buf = ex.check_buf
+            if buf[2] == -buf[3]:
+                self._start_data(ex)
+            else:
+                vec = ex.sig.with_seq(ex.seq)
+                ex.gather_buf = (vec, np.empty((self.size, vec.size), np.int64))
+                ex.state = "mismatch"
+                self._add(self.gcomm.Iallgather(vec, ex.gather_buf[1]), (ex, -1, EV_GATHER))
+
+    def _poll_board(self):
+        """Shared-memory path: settle every check at the head of the queue whose rows are all posted."""
+        q = self.agree_queue
+        board = self.board
+        progressed = False
+        while q and board.ready(q[0].seq):
+            ex = q.pop(0)
+            progressed = True
+            ex.t_progress = self._now
+            if board.agreed(ex.seq):
+                board.finish(ex.seq)
+                self._start_data(ex)
+            else:
+                from .agreement import mismatch_error
+                table = board.table(ex.seq)
+                board.finish(ex.seq)
+                self._fail(ex, mismatch_error(table, ex.seq, self.rank))
+        return progressed
+
+    # ---- progress ---------------------------------------------------------------------------------
+    def _dispatch(self, owner):
+        ex, k, ev = owner
+        if ex.state == "failed":
+            return  # a request of a collective that already raised (stall, mismatch) completed late
+        ex.t_progress = self._now
+        if ev == EV_ARRIVE:
+            if self.bell is not None and ex.plan.large:
+                self._ring_sender(ex, k)
+            need = ex.need
+            need[k] -= 1
+            if need[k] == 0:
+                self._run(ex, [k])
+                if ex.remaining == 0:
+                    self._finish(ex)
+        elif ev == EV_DONE:
+            if self.bell is not None and ex.plan.large:
+                self._ring_sender(ex, k)
+            self._complete(ex, k)
+        elif ev == EV_LATE_REDUCE:
+            if self.bell is not None and ex.plan.large:
+                self._ring_sender(ex, k)
+            v = ex.views[k]
+            ex.plan.ufunc(v[1], v[2], out=v[3])
+            self._complete(ex, k)
+        elif ev == EV_AGREE:
+            ex.agree_done = True
+            self._agreement_ready()
+        elif ev == EV_GATHER:
+            from .agreement import mismatch_error
+            self._fail(ex, mismatch_error(ex.gather_buf[1], ex.seq, self.rank))
+
+    def _ring_sender(self, ex, k):
+        """A receive of a large message completed: its sender's Isend can now complete, wake it."""
+        o = ex.plan.ops[k]
+        if o[0] != C_SEND:
+            self._to_ring.add(o[1])
+
+    def _flush_rings(self):
+        bell, peers = self.bell, self._to_ring
+        for r in peers:
+            bell.ring(r)
+        peers.clear()
+
+    def poll(self):
+        """Test every request once and handle what completed; True when something did.
+
+        Also drives the other live communicators of this process, as MPI's own progress engine does:
+        ranks waiting on requests of different communicators then cannot deadlock either."""
+        progressed = self._poll_own()
+        if len(_ENGINES) > 1:
+            for ref in _ENGINES:
+                other = ref()
+                if other is not None and other is not self and (other.nactive or other.agree_queue):
+                    if other._poll_own():
+                        progressed = True
+                    if other._to_ring:
+                        other._flush_rings()
+        if self._to_ring:
+            self._flush_rings()
+        return progressed
+
+    def _poll_own(self):
+        progressed = False
+        if self.nactive:
+            try:
+                idx = self._testsome(self.reqs)
+            except self.MPI.Exception as exc:
+                self._mpi_failure(exc)
+            if idx:
+                self._now = time.monotonic()
+                owners = self.owners
+                for k in idx:
+                    owner = owners[k]
+                    owners[k] = None
+                    self.nactive -= 1
+                    self._dispatch(owner)
+                progressed = True
+                if len(owners) > 32 and self.nactive * 2 < len(owners):
+                    keep = [k for k, o in enumerate(owners) if o is not None]
+                    self.reqs = [self.reqs[k] for k in keep]
+                    self.owners = [owners[k] for k in keep]
+        if self.agree_queue and self.board is not None:
+            if self._poll_board():
+                progressed = True
+        return progressed
+
+    def _mpi_failure(self, exc):
+        """An MPI error inside the data phase: every in-flight collective fails with a ddl.Error."""
+        seqs = sorted(self.inflight)
+        err = Error(f"MPI error in ddl collective(s) {', '.join(f'#{q}' for q in seqs)} on rank {self.rank}: "
+                    f"{exc.Get_error_string() if hasattr(exc, 'Get_error_string') else exc}"
+                    + (" -- ranks probably called different collectives (the agreement check is off)"
+                       if "trunc" in str(exc).lower() else ""))
+        self.broken = f"MPI error ({exc})"
+        for ex in list(self.inflight.values()):
+            self._fail(ex, err)
+        raise err from None
+
+    def _resume(self):
+        """Entering a wait: time the user spent outside ddl does not count as a stall."""
+        now = time.monotonic()
+        if now - self._last_drive > 0.5:
+            for other in self.inflight.values():
+                if other.t_progress < now:
+                    other.t_progress = now
+        self._now = now
+
+    def wait(self, ex):
+        """Drive all in-flight collectives until ``ex`` is done; raise its error, if any."""
+        if not ex.done:
+            self._resume()
+            self._drive_until(None, ex)
+        if ex.error is not None:
+            raise ex.error
+
+    def _drive_until(self, cond, ex):
+        """Poll until ``ex`` is done (cond None) or ``cond()`` holds; waits per the idle policy.
+
+        Idle policy: ``spin`` empty polls, then ``sched_yield`` between polls until ``sleep_after``
+        seconds without progress, then sleep: on the doorbell (oversubscribed node, see
+        :class:`Doorbell`) or in naps backing off from ``nap`` to ``nap_max``. Yielding keeps a rank
+        responsive inside a collective (a rank that yields hands its core straight to the rank it waits
+        for; a woken sleeper may wait for the running task's time slice), sleeping keeps long waits
+        (skewed ranks, a user computing between collectives) from burning cores."""
+        idle = 0
+        poll = self.poll
+        spin, sleep_after, nap0, nap_max = self.spin, self.sleep_after, self.nap, self.nap_max
+        bell = self.bell
+        nap = nap0
+        last = time.monotonic()
+        tick = last
+        while not (ex.done if cond is None else cond()):
+            if poll():
+                idle = 0
+                nap = nap0
+                last = self._now
+                continue
+            idle += 1
+            if idle <= spin:
+                continue
+            now = time.monotonic()
+            if now - tick > 0.05:
+                tick = now
+                self._watchdog(now)
+                if ex.done:
+                    break
+            if now - last < sleep_after:
+                os.sched_yield()
+            elif bell is not None and not self._large:
+                v = bell.prepare()   # flag up, bell read before the last poll: no ring can be lost
+                if poll():
+                    bell.cancel()
+                    idle = 0
+                    last = self._now
+                    continue
+                bell.wait(v)
+            else:
+                time.sleep(nap)   # back off while nothing happens: fewer polls stealing cores
+                if nap < nap_max:
+                    nap *= 1.5
+        self._last_drive = time.monotonic()
+
+    def test(self, ex):
+        if not ex.done:
+            self._resume()
+            while self.poll():
+                pass
+            self._watchdog(time.monotonic())
+            self._last_drive = time.monotonic()
+        if ex.done and ex.error is not None:
+            raise ex.error
+        return ex.done
+
+    # ---- stall watchdog ---------------------------------------------------------------------------
+    def _watchdog(self, now):
+        self._poll_status(now)
+        for ex in list(self.inflight.values()):
+            stalled = now - ex.t_progress
+            if stalled >= self.stall_warning and not ex.warned:
+                ex.warned = True
+                self._send_status(ex)
+                sys.stderr.write(f"ddl WARNING: {self.describe_stall(ex, stalled)}\n")
+                sys.stderr.flush()
+            if stalled >= self.stall_timeout:
+                self._poll_status(now, force=True)
+                hint = ("" if ex.check or self.size == 1 else
+                        " (this collective skipped the agreement check, check='new'/'off': ranks that called "
+                        "different collectives look exactly like this; rerun with check='always' to find out)")
+                err = StallError(self.describe_stall(ex, stalled) + f" [stall_timeout {self.stall_timeout:g} s]" + hint)
+                err.seq = ex.seq
+                self.broken = f"StallError in collective #{ex.seq}"
+                self._send_status(ex, gave_up=True)
+                for other in list(self.inflight.values()):
+                    self._fail(other, err)
+                raise err
+
+    def _send_status(self, ex, gave_up=False):
+        """Tell every peer "I am stuck in collective #seq" (or "I gave up on it"): stall diagnostics."""
+        key = (ex.seq, gave_up)
+        if key in self._status_sent or self.size == 1:
+            return
+        self._status_sent.add(key)
+        msg = np.array([self.rank, ex.seq, 3 if gave_up else {"agreement": 0, "data": 1}.get(ex.state, 2)], np.int64)
+        for r in range(self.size):
+            if r != self.rank:
+                self._status_reqs.append(self.gcomm.Isend(msg, r, STATUS_TAG))
+
+    def _poll_status(self, now, force=False):
+        if not force and now - self._last_status_poll < 0.05:
+            return
+        self._last_status_poll = now
+        MPI = self.MPI
+        st = MPI.Status()
+        buf = np.empty(3, np.int64)
+        while self.gcomm.Iprobe(MPI.ANY_SOURCE, STATUS_TAG, st):
+            self.gcomm.Recv(buf, st.Get_source(), STATUS_TAG)
+            self._status[int(buf[0])] = (int(buf[1]), int(buf[2]), now)
+        if self._status_reqs:
+            self._status_reqs = [r for r in self._status_reqs if not r.Test()]
+
+    def describe_stall(self, ex, stalled):
+        from .agreement import format_ranks
+        head = (f"{ex.label} (ddl collective #{ex.seq}) on rank {self.rank} has made no progress for "
+                f"{stalled:.1f} s")
+        same, gave_up, elsewhere, silent = [], [], [], []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            s = self._status.get(r)
+            if s is None:
+                silent.append(r)
+            elif s[0] == ex.seq:
+                (gave_up if s[1] == 3 else same).append(r)
+            else:
+                elsewhere.append((r, s[0]))
+        if ex.state == "agreement" and self.board is not None:
+            missing = self.board.missing(ex.seq)
+            latest = ", ".join(f"rank {r}: #{s}" if s >= 0 else f"rank {r}: none" for r, s in sorted(missing.items())[:8])
+            body = (f"; waiting in the agreement step for {format_ranks(sorted(missing))}, which "
+                    f"{'has' if len(missing) == 1 else 'have'} not entered it (latest ddl collective entered: {latest})")
+            entered = [r for r in silent if r not in missing]  # posted on the board: in it with us
+            same = sorted(set(same) | set(entered))
+            silent = []
+        elif ex.state == "agreement":
+            body = "; waiting in the agreement step for every rank to enter this collective"
+        elif ex.state == "data":
+            body = "; " + self._pending_text(ex)
+        else:
+            body = f"; state {ex.state}"
+        notes = []
+        if same:
+            notes.append(f"{format_ranks(same)} {'is' if len(same) == 1 else 'are'} stuck in it too")
+        if gave_up:
+            notes.append(f"{format_ranks(gave_up)} gave up on it (StallError) and will not take part")
+        for r, seq in elsewhere:
+            notes.append(f"rank {r} is stuck in ddl collective #{seq}")
+        if silent and (ex.warned or ex.state == "agreement"):
+            notes.append(f"no word from {format_ranks(silent)}: not in this collective, busy outside ddl "
+                         f"(not calling Wait/Test), in another MPI call, or dead")
+        return head + body + (". " + "; ".join(notes) if notes else "")
+
+    def _pending_text(self, ex):
+        from .agreement import format_ranks
+        plan = ex.plan
+        waiting = {}
+        outstanding = [o for o in self.owners if o is not None and o[0] is ex and o[1] >= 0]
+        for _, k, ev in outstanding:
+            waiting.setdefault(plan.ops[k][1], []).append(k)
+        if not waiting:
+            return "no request outstanding"
+        parts = []
+        for peer in sorted(waiting):
+            ks = sorted(waiting[peer])
+            steps = ", ".join(plan.describe_op(k) for k in ks[:4]) + (f" and {len(ks) - 4} more" if len(ks) > 4 else "")
+            parts.append(f"rank {peer}: {steps}")
+        queued = sum(1 for k, nd in enumerate(ex.need) if nd > 0) - len(outstanding)
+        return (f"waiting for {format_ranks(sorted(waiting))} -- " + "; ".join(parts)
+                + (f" ({max(queued, 0)} later ops queued behind them)" if queued > 0 else ""))
+
+
+def _tight_timer_slack():
+    """Let short naps be short: Linux rounds sleeps up by the thread's timer slack (50 us by default),
+    which on an oversubscribed node is most of a message hop. Sets 1 us for this thread (env
+    ``DDL_TIMERSLACK=0`` keeps the default)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, nanoseconds
+    except Exception:  # pragma: no cover - not Linux
+        pass
+
+
+def _check_buffer(h):
+    buf = np.empty(4, np.int64)
+    buf[0] = h
+    buf[1] = -h
+    return buf

@@ -1,0 +1,138 @@
+"""Reduction operations and the dtypes they accept.
+
+``ddl.SUM PROD MIN MAX AVG BAND BOR BXOR`` are :class:`Op` objects. Each reduces with a numpy ufunc,
+in place (``ufunc(local, incoming, out=local)``), so no temporary is created per chunk. All of them are
+commutative and associative on exact types; on floats the *order* of reduction is a fixed function of
+the schedule, so results are bitwise identical on every rank and every run (``a + b == b + a``
+bitwise in IEEE arithmetic, which is all the schedules rely on).
+
+Dtypes: every numpy integer (``int8`` .. ``int64``, ``uint8`` .. ``uint64``), ``bool``, ``float16``
+``float32`` ``float64`` ``longdouble``, ``complex64`` ``complex128``, and the ml_dtypes floats
+(``bfloat16``, float8 variants) when ml_dtypes is installed (numpy ufuncs work on them).
+
+Rules (violations raise :class:`ddl.Error` before any communication):
+
+* ``BAND BOR BXOR`` need integers or bool;
+* ``MIN MAX`` refuse complex numbers (no order);
+* ``SUM PROD AVG`` refuse bool (numpy would silently turn ``+`` into ``or``);
+* ``AVG`` is ``SUM`` followed by a division by the number of ranks on every rank. It is defined for
+  floating-point (and complex) dtypes only and **refuses integers**, as Horovod does: neither floor
+  division (surprising for negative sums) nor a silent cast is a good default. Use ``SUM`` and divide
+  yourself, or convert to a float dtype first.
+
+mpi4py users may pass ``MPI.SUM``, ``MPI.PROD``, ``MPI.MIN``, ``MPI.MAX``, ``MPI.BAND``, ``MPI.BOR``,
+``MPI.BXOR`` (and the logical ``MPI.LAND``/``MPI.LOR``/``MPI.LXOR`` on bool), or the names as strings
+(``"sum"``, ``"avg"``, ...).
+"""
+import sys
+
+import numpy as np
+
+from .errors import Error
+
+
+class Op:
+    """A reduction operation: a name, a numpy ufunc and the dtype classes it accepts."""
+
+    __slots__ = ("name", "code", "ufunc", "accepts", "average")
+
+    def __init__(self, name, code, ufunc, accepts, average=False):
+        self.name, self.code, self.ufunc, self.accepts, self.average = name, code, ufunc, accepts, average
+
+    def __repr__(self):
+        return f"ddl.{self.name}"
+
+    def __reduce__(self):  # pickles as the module-level singleton
+        return (_by_name, (self.name,))
+
+
+_NUM = frozenset({"int", "float", "complex"})
+SUM = Op("SUM", 1, np.add, _NUM)
+PROD = Op("PROD", 2, np.multiply, _NUM)
+MIN = Op("MIN", 3, np.minimum, frozenset({"int", "float", "bool"}))
+MAX = Op("MAX", 4, np.maximum, frozenset({"int", "float", "bool"}))
+AVG = Op("AVG", 5, np.add, frozenset({"float", "complex"}), average=True)
+BAND = Op("BAND", 6, np.bitwise_and, frozenset({"int", "bool"}))
+BOR = Op("BOR", 7, np.bitwise_or, frozenset({"int", "bool"}))
+BXOR = Op("BXOR", 8, np.bitwise_xor, frozenset({"int", "bool"}))
+
+OPS = (SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR)
+_BY_NAME = {op.name: op for op in OPS}
+_BY_CODE = {op.code: op for op in OPS}
+_ALIASES = {"AVERAGE": AVG, "MEAN": AVG, "LAND": BAND, "LOR": BOR, "LXOR": BXOR}
+
+
+def _by_name(name):
+    return _BY_NAME[name]
+
+
+def op_from_code(code):
+    return _BY_CODE.get(int(code))
+
+
+def resolve_op(op):
+    """``ddl.SUM`` / ``"sum"`` / ``MPI.SUM`` ... -> the :class:`Op`; anything else raises ddl.Error."""
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        key = op.strip().upper()
+        found = _BY_NAME.get(key) or _ALIASES.get(key)
+        if found is not None:
+            return found
+        raise Error(f"unknown reduction op {op!r}; use one of {', '.join(o.name for o in OPS)}")
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(op, mpi.Op):
+        for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR"):
+            if op == getattr(mpi, name):
+                return _BY_NAME.get(name) or _ALIASES[name]
+        raise Error(f"MPI reduction op {op!r} is not supported by ddl; use one of "
+                    f"{', '.join(o.name for o in OPS)}")
+    raise Error(f"op must be one of ddl.{', ddl.'.join(o.name for o in OPS)}, got {op!r}")
+
+
+def dtype_class(dtype):
+    """``'int' | 'float' | 'complex' | 'bool'`` for a supported numpy dtype, else None."""
+    dtype = np.dtype(dtype)
+    kind = dtype.kind
+    if kind in "iu":
+        return "int"
+    if kind == "f":
+        return "float"
+    if kind == "c":
+        return "complex"
+    if kind == "b":
+        return "bool"
+    if kind == "V" and dtype.fields is None and dtype.subdtype is None:
+        ml = sys.modules.get("ml_dtypes")
+        if ml is not None:
+            try:
+                ml.finfo(dtype)
+                return "float"
+            except Exception:
+                pass
+            try:
+                ml.iinfo(dtype)
+                return "int"
+            except Exception:
+                pass
+    return None
+
+
+def check_op_dtype(op, dtype):
+    """Raise :class:`ddl.Error` unless ``op`` can reduce ``dtype`` (see the module docstring)."""
+    cls = dtype_class(dtype)
+    if cls is None:
+        raise Error(f"dtype {np.dtype(dtype)} is not supported for reductions (numeric dtypes only: "
+                    f"integers, float16/32/64, complex, bool, and bfloat16 with ml_dtypes)")
+    if cls not in op.accepts:
+        if op.average and cls == "int":
+            raise Error(f"AVG is not defined for integer dtype {np.dtype(dtype)} (ddl, like Horovod, refuses "
+                        f"it rather than silently truncating): use SUM and divide, or reduce a float array")
+        if op in (BAND, BOR, BXOR):
+            raise Error(f"{op.name} needs an integer or bool dtype, got {np.dtype(dtype)}")
+        raise Error(f"{op.name} is not defined for dtype {np.dtype(dtype)}")
+
+
+def finish_average(array, nranks):
+    """In-place division by ``nranks`` that ends an AVG (``array`` holds the sum)."""
+    np.true_divide(array, nranks, out=array, casting="unsafe")

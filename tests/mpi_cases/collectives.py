@@ -1,0 +1,326 @@
+"""Every collective x op x dtype x count against numpy references; bitwise identity across ranks.
+
+    mpiexec -n N python -m mpi4py tests/mpi_cases/collectives.py [full|quick]
+
+``full`` runs every dtype with every op it supports; ``quick`` a representative subset (for 8 ranks
+on a small machine). Also: several nonblocking collectives in flight waited in rank-dependent orders,
+more than the tag window in flight, every algorithm of the registry, the functional API.
+"""
+import functools
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import BF16, RANK, SIZE, WORLD, Checker, two_host_topology  # noqa: E402
+
+import ddl  # noqa: E402
+from ddl.ops import dtype_class  # noqa: E402
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "full"
+chk = Checker()
+p, r = SIZE, RANK
+comm = ddl.Communicator(WORLD, stall_timeout=120)
+
+ALL_DTYPES = [np.float16, BF16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
+              np.uint16, np.uint32, np.uint64, np.bool_, np.complex64]
+ALL_DTYPES = [np.dtype(d) for d in ALL_DTYPES if d is not None]
+OPS = [ddl.SUM, ddl.PROD, ddl.MIN, ddl.MAX, ddl.AVG, ddl.BAND, ddl.BOR, ddl.BXOR]
+COUNTS = sorted({0, 1, max(p - 1, 1), 7, 1001})
+if mode == "quick":
+    ALL_DTYPES = [np.dtype(d) for d in (np.float16, BF16, np.float32, np.int8, np.uint64, np.bool_) if d is not None]
+    COUNTS = sorted({0, 1, max(p - 1, 1), 1001})
+
+
+def supported(op, dt):
+    try:
+        ddl.ops.check_op_dtype(op, dt)
+        return True
+    except ddl.Error:
+        return False
+
+
+def inputs(rank, dt, count, op):
+    """Deterministic input of ``rank`` (every rank can compute every rank's input)."""
+    rng = np.random.default_rng([rank, count, ALL_DTYPES.index(dt) if dt in ALL_DTYPES else 99, op.code])
+    cls = dtype_class(dt)
+    if cls == "bool":
+        return rng.integers(0, 2, count).astype(bool)
+    if cls == "int":
+        info = np.iinfo(dt)
+        if op is ddl.PROD:
+            vals = rng.choice([1, 1, 1, 3] if info.min == 0 else [1, -1, 1, 3], count)
+            return vals.astype(dt)
+        return rng.integers(info.min, info.max, count, endpoint=True, dtype=dt)
+    if op is ddl.PROD:
+        vals = rng.choice([0.5, 1.0, -1.0, 2.0], count)
+    else:
+        vals = rng.standard_normal(count) * 4
+    if cls == "complex":
+        vals = vals + 1j * rng.standard_normal(count)
+    return vals.astype(dt)
+
+
+def reference(dt, count, op, blocks=1):
+    arrays = [inputs(k, dt, count * blocks, op) for k in range(p)]
+    cls = dtype_class(dt)
+    if cls in ("int", "bool") or op in (ddl.MIN, ddl.MAX) or (op is ddl.PROD and cls != "complex"):
+        return functools.reduce(lambda a, b: op.ufunc(a, b), arrays), None
+    wide = np.complex128 if cls == "complex" else np.float64
+    if op is ddl.PROD:  # complex products round
+        exact = functools.reduce(np.multiply, [a.astype(wide) for a in arrays])
+        bound = functools.reduce(np.multiply, [np.abs(a.astype(wide)) for a in arrays]) * 4
+    else:
+        exact = sum(a.astype(wide) for a in arrays)
+        bound = sum(np.abs(a.astype(wide)) for a in arrays)
+    eps = float(np.finfo(dt).eps) if dt != BF16 else 2.0 ** -7
+    if op.average:
+        exact, bound = exact / p, bound / p
+    return exact, (p + 2) * eps * bound + 1e-30
+
+
+def close(result, ref, tol):
+    if tol is None:
+        return np.array_equal(result, ref)
+    cls = dtype_class(result.dtype)
+    wide = np.complex128 if cls == "complex" else np.float64
+    return bool(np.all(np.abs(result.astype(wide) - ref) <= tol))
+
+
+def check_reductions():
+    for dt in ALL_DTYPES:
+        for op in OPS:
+            if not supported(op, dt):
+                continue
+            for count in COUNTS:
+                tag = f"{dt.name} {op.name} count {count}"
+                send = inputs(r, dt, count, op)
+                keep = send.copy()
+                recv = np.empty_like(send)
+                comm.Allreduce(send, recv, op=op)
+                ref, tol = reference(dt, count, op)
+                chk.ok(close(recv, ref, tol), f"Allreduce {tag}: {recv[:4]} vs reference {ref[:4]}")
+                chk.ok(np.array_equal(send.view(np.uint8), keep.view(np.uint8)), f"Allreduce {tag} modified sendbuf")
+                chk.same_everywhere(f"Allreduce {tag}", recv)
+                buf = send.copy()
+                comm.Allreduce(ddl.IN_PLACE, buf, op=op)
+                chk.ok(np.array_equal(buf.view(np.uint8), recv.view(np.uint8)),
+                       f"Allreduce IN_PLACE {tag} differs bitwise from the out-of-place result")
+                # reduce-scatter: count per rank
+                send = inputs(r, dt, count * p, op)
+                keep = send.copy()
+                out = np.empty(count, dt)
+                comm.Reduce_scatter_block(send, out, op=op)
+                ref, tol = reference(dt, count, op, blocks=p)
+                mine = ref[r * count:(r + 1) * count]
+                chk.ok(close(out, mine, None if tol is None else tol[r * count:(r + 1) * count]),
+                       f"Reduce_scatter_block {tag}: {out[:4]} vs {mine[:4]}")
+                chk.ok(np.array_equal(send.view(np.uint8), keep.view(np.uint8)), f"Reduce_scatter_block {tag} modified sendbuf")
+                comm.Reduce_scatter_block(ddl.IN_PLACE, send, op=op)
+                chk.ok(np.array_equal(send[:count].view(np.uint8), out.view(np.uint8)),
+                       f"Reduce_scatter_block IN_PLACE {tag} differs bitwise from out-of-place")
+        # op-free collectives once per dtype
+        for count in COUNTS:
+            tag = f"{dt.name} count {count}"
+            mine = inputs(r, dt, count, ddl.MAX)
+            out = np.empty(count * p, dt)
+            comm.Allgather(mine, out)
+            ref = np.concatenate([inputs(k, dt, count, ddl.MAX) for k in range(p)])
+            chk.ok(np.array_equal(out.view(np.uint8), ref.view(np.uint8)), f"Allgather {tag}")
+            inplace = np.zeros(count * p, dt)
+            inplace[r * count:(r + 1) * count] = mine
+            comm.Allgather(ddl.IN_PLACE, inplace)
+            chk.ok(np.array_equal(inplace.view(np.uint8), ref.view(np.uint8)), f"Allgather IN_PLACE {tag}")
+            root = (p - 1) // 2 + (1 if p > 1 else 0) if p > 1 else 0
+            root = min(root, p - 1)
+            buf = inputs(r, dt, count, ddl.MIN)
+            comm.Bcast(buf, root=root)
+            ref = inputs(root, dt, count, ddl.MIN)
+            chk.ok(np.array_equal(buf.view(np.uint8), ref.view(np.uint8)), f"Bcast root {root} {tag}")
+
+
+def check_large():
+    """Big enough for pipelined schedules and (with DDL_EARLY_LIMIT small) late-posted receives."""
+    count = 300_007 - (300_007 % p)
+    rng = np.random.default_rng(r)
+    a = rng.standard_normal(count).astype(np.float32)
+    out = np.empty_like(a)
+    comm.Allreduce(a, out, op=ddl.SUM)
+    ref = sum(np.random.default_rng(k).standard_normal(count).astype(np.float32).astype(np.float64) for k in range(p))
+    chk.ok(np.allclose(out, ref, rtol=1e-5, atol=1e-4 * p), f"large Allreduce: {out[:3]} vs {ref[:3]}")
+    chk.same_everywhere("large Allreduce", out)
+    out2 = np.empty_like(a)
+    comm.Allreduce(a, out2, op=ddl.SUM)
+    chk.ok(np.array_equal(out, out2), "large Allreduce not bitwise reproducible run to run")
+    rs = np.empty(count // p, np.float32)
+    comm.Reduce_scatter_block(a, rs, op=ddl.AVG)
+    chk.ok(np.allclose(rs, (ref / p)[r * (count // p):(r + 1) * (count // p)], rtol=1e-5, atol=1e-4),
+           "large Reduce_scatter_block AVG")
+    g = np.empty(count, np.float32)
+    comm.Allgather(a[: count // p], g)
+    ref_g = np.concatenate([np.random.default_rng(k).standard_normal(count).astype(np.float32)[: count // p]
+                            for k in range(p)])
+    chk.ok(np.array_equal(g, ref_g), "large Allgather")
+    b = a.copy() if r == p - 1 else np.zeros_like(a)
+    comm.Bcast(b, root=p - 1)
+    chk.ok(np.array_equal(b, np.random.default_rng(p - 1).standard_normal(count).astype(np.float32)), "large Bcast")
+
+
+def check_nonblocking():
+    rng = np.random.default_rng(1000 + r)
+    specs = [(np.float32, 5, ddl.SUM), (np.float64, 1001, ddl.MAX), (np.int32, 0, ddl.SUM), (np.int64, 3, ddl.BXOR),
+             (np.float16, 77, ddl.AVG), (np.uint8, 2 * p + 1, ddl.MIN)]
+    reqs, outs = [], []
+    for i, (dt, count, op) in enumerate(specs):
+        dt = np.dtype(dt)
+        a = inputs(r, dt, count, op)
+        b = np.empty_like(a)
+        reqs.append(comm.Iallreduce(a, b, op=op))
+        outs.append(b)
+    # rank-dependent wait order, some via Test() polling
+    order = rng.permutation(len(reqs))
+    for j, i in enumerate(order):
+        if (j + r) % 2:
+            while not reqs[i].Test():
+                pass
+        else:
+            reqs[i].Wait()
+    for (dt, count, op), b in zip(specs, outs):
+        ref, tol = reference(np.dtype(dt), count, op)
+        chk.ok(close(b, ref, tol), f"Iallreduce {np.dtype(dt).name} {op.name} {count}: {b[:3]} vs {ref[:3]}")
+        chk.same_everywhere(f"Iallreduce {np.dtype(dt).name} {op.name} {count}", b)
+
+    # every nonblocking collective at once, waited in reverse on odd ranks
+    n = 5
+    ag_out = np.empty(n * p, np.int32)
+    rs_out = np.empty(n, np.float64)
+    bc = np.arange(n, dtype=np.int16) if r == 0 else np.zeros(n, np.int16)
+    ar = np.full(3, r + 1, np.int64)
+    reqs = [comm.Iallgather(np.full(n, r, np.int32), ag_out),
+            comm.Ireduce_scatter_block(np.arange(n * p, dtype=np.float64), rs_out),
+            comm.Ibcast(bc, root=0), comm.Ibarrier(), comm.Iallreduce(ddl.IN_PLACE, ar, op=ddl.PROD)]
+    for q in (reversed(reqs) if r % 2 else reqs):
+        q.Wait()
+    chk.ok(np.array_equal(ag_out, np.repeat(np.arange(p), n)), "Iallgather")
+    chk.ok(np.array_equal(rs_out, np.arange(n * p, dtype=np.float64)[r * n:(r + 1) * n] * p), "Ireduce_scatter_block")
+    chk.ok(np.array_equal(bc, np.arange(n)), "Ibcast")
+    import math
+    chk.ok(np.all(ar == math.factorial(p)), "Iallreduce PROD in place")
+
+    # more collectives in flight than the tag window: waited newest first
+    many = 40
+    bufs = [np.full(4, r + i, np.int64) for i in range(many)]
+    reqs = [comm.Iallreduce(ddl.IN_PLACE, b, op=ddl.SUM) for b in bufs]
+    for q in reversed(reqs):
+        q.Wait()
+    chk.ok(all(np.all(b == sum(range(p)) + p * i) for i, b in enumerate(bufs)), f"{many} Iallreduce in flight")
+    chk.ok(ddl.Request.Testall(reqs), "Testall after completion")
+
+
+def check_two_communicators():
+    """Requests of two communicators waited in opposite orders on alternate ranks: any wait drives both."""
+    other = ddl.Communicator(WORLD)
+    x = np.full(4, r, np.int64)
+    y = np.full(4, 2 * r, np.int64)
+    qa = comm.Iallreduce(ddl.IN_PLACE, x)
+    qb = other.Iallreduce(ddl.IN_PLACE, y)
+    for q in ((qb, qa) if r % 2 else (qa, qb)):
+        q.Wait()
+    chk.ok(np.all(x == sum(range(p))) and np.all(y == 2 * sum(range(p))), "two communicators")
+    other.Free()
+
+
+def check_algorithms():
+    from ddl.algorithms import ALGORITHMS
+    topo = two_host_topology(p)
+    ran = {}
+    for name in ALGORITHMS:
+        c = ddl.Communicator(WORLD, topology=topo, algorithm=name)
+        for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
+            for count in (1, 13 * p, 40_000):
+                try:
+                    c.plan(count * 4, collective=coll, root=min(1, p - 1))
+                except ddl.PlanError:
+                    continue
+                run(c, count, f"{name} {coll} {count}")
+                ran[name] = ran.get(name, 0) + 1
+        c.Free()
+    if p > 1:
+        chk.ok(len(ran) >= 3, f"only algorithms {sorted(ran)} could run")
+
+
+def _ar(c, count, tag):
+    a = inputs(r, np.dtype(np.float32), count, ddl.SUM)
+    out = np.empty_like(a)
+    c.Allreduce(a, out, op=ddl.SUM)
+    ref, tol = reference(np.dtype(np.float32), count, ddl.SUM)
+    chk.ok(close(out, ref, tol), f"{tag}")
+    chk.same_everywhere(tag, out)
+
+
+def _rs(c, count, tag):
+    a = inputs(r, np.dtype(np.int64), count * p, ddl.SUM)
+    out = np.empty(count, np.int64)
+    c.Reduce_scatter_block(a, out, op=ddl.SUM)
+    ref, _ = reference(np.dtype(np.int64), count, ddl.SUM, blocks=p)
+    chk.ok(np.array_equal(out, ref[r * count:(r + 1) * count]), tag)
+
+
+def _ag(c, count, tag):
+    out = np.empty(count * p, np.int32)
+    c.Allgather(np.full(count, r, np.int32), out)
+    chk.ok(np.array_equal(out, np.repeat(np.arange(p, dtype=np.int32), count)), tag)
+
+
+def _bc(c, count, tag):
+    root = min(1, p - 1)
+    buf = np.arange(count, dtype=np.float64) if r == root else np.zeros(count)
+    c.Bcast(buf, root=root)
+    chk.ok(np.array_equal(buf, np.arange(count, dtype=np.float64)), tag)
+
+
+def check_functional():
+    x = np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1)
+    y = comm.allreduce(x, op=ddl.AVG)
+    chk.ok(y.shape == (3, 4) and np.allclose(y, np.arange(12).reshape(3, 4) * (p + 1) / 2), "allreduce AVG functional")
+    chk.ok(np.array_equal(x, np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1)), "functional allreduce modified input")
+    s = comm.allreduce(r + 1)
+    chk.ok(s == p * (p + 1) // 2 and isinstance(s, int), f"scalar allreduce: {s!r}")
+    arrays = [np.full((2, 3), r, np.float32), np.arange(5, dtype=np.int64) + r, np.ones(1, np.float32) * r,
+              np.zeros((0,), np.float32)]
+    outs = comm.grouped_allreduce(arrays, op=ddl.SUM)
+    tot = sum(range(p))
+    chk.ok([o.shape for o in outs] == [a.shape for a in arrays], "grouped shapes")
+    chk.ok(np.all(outs[0] == tot) and np.array_equal(outs[1], np.arange(5) * p + tot) and np.all(outs[2] == tot),
+           f"grouped_allreduce values {outs}")
+    chk.ok(outs[1].dtype == np.int64 and outs[0].dtype == np.float32, "grouped dtypes")
+    h = comm.iallreduce(np.ones(3, np.float32), op=ddl.SUM)
+    chk.ok(np.all(h.wait() == p), "iallreduce handle")
+    f = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    comm.Allreduce(ddl.IN_PLACE, f, op=ddl.SUM)
+    chk.ok(np.array_equal(f, np.arange(6).reshape(2, 3) * p), "Fortran-ordered buffer")
+
+
+def check_reproducible():
+    """A fresh communicator reproduces the bits of the first one (every run, not just every rank)."""
+    a = inputs(r, np.dtype(np.float32), 1001, ddl.SUM)
+    o1, o2 = np.empty_like(a), np.empty_like(a)
+    comm.Allreduce(a, o1)
+    c2 = ddl.Communicator(WORLD)
+    c2.Allreduce(a, o2)
+    c2.Free()
+    chk.ok(np.array_equal(o1.view(np.uint32), o2.view(np.uint32)), "fresh communicator gives different bits")
+
+
+check_reductions()
+check_large()
+check_nonblocking()
+check_functional()
+check_two_communicators()
+check_reproducible()
+if mode == "full" or p in (5, 8):
+    check_algorithms()
+waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")
+comm.Free()
+chk.finish(f"collectives[{mode}]", f"agreement {comm.agreement}, waiting {waiting}")

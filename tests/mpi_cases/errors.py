@@ -1,0 +1,167 @@
+"""Mismatch errors on every rank, argument errors, buffer spec forms.
+
+    mpiexec -n N python -m mpi4py tests/mpi_cases/errors.py      (N >= 2)
+"""
+import array
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import RANK, SIZE, WORLD, Checker, two_host_topology  # noqa: E402
+
+import ddl  # noqa: E402
+
+chk = Checker()
+p, r = SIZE, RANK
+last = p - 1
+comm = ddl.Communicator(WORLD, stall_timeout=60)
+
+
+def expect(exc_type, fn, *must_contain, label=""):
+    try:
+        fn()
+    except exc_type as exc:
+        text = str(exc)
+        for piece in must_contain:
+            chk.ok(piece in text, f"{label}: {piece!r} not in message: {text}")
+        return text
+    except Exception as exc:  # wrong type
+        chk.fail(f"{label}: expected {exc_type.__name__}, got {type(exc).__name__}: {exc}")
+    chk.fail(f"{label}: expected {exc_type.__name__}, nothing raised")
+
+
+def still_works(label):
+    a = np.full(3, r + 1, np.float64)
+    comm.Allreduce(ddl.IN_PLACE, a, op=ddl.SUM)
+    chk.ok(np.all(a == p * (p + 1) / 2), f"communicator unusable after {label}")
+
+
+# ---- mismatches: raised on EVERY rank, naming ranks and values --------------------------------------
+count = 1001 if r == last else 1000
+msg = expect(ddl.MismatchError, lambda: comm.Allreduce(np.ones(count, np.float32), np.empty(count, np.float32)),
+             f"rank {last} called Allreduce with 1001 float32", "called Allreduce with 1000 float32", "count",
+             label="count mismatch")
+if r == 0:
+    print("MISMATCH MESSAGE:", msg, flush=True)
+still_works("count mismatch")
+
+dt = np.float64 if r == 0 else np.float32
+expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(10, dt)),
+       "rank 0 called Allreduce with 10 float64", "with 10 float32", "dtype", label="dtype mismatch")
+
+op = ddl.MAX if r == last else ddl.SUM
+expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op=op), "(MAX)", "(SUM)", "op",
+       label="op mismatch")
+
+if r == 0:
+    fn = lambda: comm.Bcast(np.ones(4), root=0)  # noqa: E731
+else:
+    fn = lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4))  # noqa: E731
+expect(ddl.MismatchError, fn, "rank 0 called Bcast with 4 float64", "collective", label="collective mismatch")
+
+expect(ddl.MismatchError, lambda: comm.Bcast(np.ones(4), root=(1 if r == last else 0)), "root 1", "root 0",
+       label="root mismatch")
+
+# nonblocking: the error surfaces at Wait, on every rank, while other requests complete fine
+good = np.full(2, r, np.int64)
+q1 = comm.Iallreduce(ddl.IN_PLACE, good)
+bad_n = 7 if r == 0 else 8
+q2 = comm.Iallreduce(ddl.IN_PLACE, np.ones(bad_n, np.int64))
+q3 = comm.Iallgather(np.full(1, r, np.int32), out3 := np.empty(p, np.int32))
+q3.Wait()
+expect(ddl.MismatchError, q2.Wait, "rank 0 called Allreduce with 7 int64", label="nonblocking mismatch")
+q1.Wait()
+chk.ok(np.all(good == sum(range(p))) and np.array_equal(out3, np.arange(p)), "requests around a mismatch")
+still_works("nonblocking mismatch")
+
+comm = ddl.Communicator(WORLD, stall_timeout=60)
+still_works("fresh communicator")
+
+# ---- settings mismatch at construction ------------------------------------------------------------------
+topo = two_host_topology(p) if r == 0 else None
+expect(ddl.MismatchError, lambda: ddl.Communicator(WORLD, topology=topo), "rank 0 uses topology 'two-host",
+       "topology 'flat", label="topology mismatch")
+
+# ---- local argument errors (raised before any communication) -----------------------------------------
+big = "topologies/fat-tree-4x4-r4.yaml" if p != 16 else "topologies/emulated-2rack.yaml"
+expect(ddl.Error, lambda: ddl.Communicator(WORLD, topology=big), "has 16 ranks" if p != 16 else "has 8 ranks",
+       f"communicator has {p} ranks", label="rank count")
+x = np.arange(20, dtype=np.float32)
+expect(ddl.Error, lambda: comm.Allreduce(x[::2], np.empty(10, np.float32)), "contiguous", label="strided sendbuf")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones((4, 4))[:, :2]), "contiguous", label="strided recvbuf")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4, np.int32), op=ddl.AVG), "AVG", "int32",
+       label="AVG on ints")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op=ddl.BXOR), "BXOR", "float64",
+       label="BXOR on floats")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4, bool), op=ddl.SUM), "bool", label="SUM on bool")
+ro = np.ones(4)
+ro.flags.writeable = False
+expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), ro), "read-only", label="read-only recvbuf")
+expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), np.empty(5)), "4 elements", "5", label="size mismatch")
+expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), np.empty(4, np.float32)), "float64", "float32",
+       label="dtype differs")
+expect(ddl.Error, lambda: comm.Reduce_scatter_block(np.ones(3 * p + 1), np.empty(3)), f"{p * 3}",
+       label="reduce_scatter sizes")
+expect(ddl.Error, lambda: comm.Allgather(np.ones(3), np.empty(3 * p + 1)), "size*n", label="allgather sizes")
+expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=p), f"root {p}", label="bcast root")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [1.0, 2.0]), "list", label="list buffer")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op="median"), "median", label="unknown op")
+buf = np.arange(10.0)
+expect(ddl.Error, lambda: comm.Allreduce(buf[:6], buf[4:]), "overlap", label="overlapping buffers")
+still_works("local errors")
+
+# ---- buffer spec forms -------------------------------------------------------------------------------
+a = np.arange(8, dtype=np.float32) + r
+out = np.zeros(8, np.float32)
+comm.Allreduce([a, 5], [out, 5])
+chk.ok(np.array_equal(out[:5], (np.arange(5) * p + sum(range(p)))) and np.all(out[5:] == 0), "[buf, count]")
+out = np.zeros(8, np.float32)
+comm.Allreduce([a, MPI.FLOAT], [out, MPI.FLOAT])
+chk.ok(np.array_equal(out, np.arange(8) * p + sum(range(p))), "[buf, MPI.FLOAT]")
+raw = bytearray(np.full(4, r, np.int32).tobytes())
+res = bytearray(16)
+comm.Allreduce([raw, 4, "i"], [res, 4, "i"], op=ddl.MAX)
+chk.ok(np.array_equal(np.frombuffer(res, np.int32), np.full(4, last)), "[bytearray, count, 'i']")
+arr = array.array("d", [float(r)] * 3)
+comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+chk.ok(list(arr) == [float(sum(range(p)))] * 3, f"array.array with MPI.IN_PLACE / MPI.SUM: {arr}")
+mv = memoryview(np.full(6, 2, np.int16))
+comm.Allreduce(ddl.IN_PLACE, mv, op=ddl.PROD)
+chk.ok(np.all(np.asarray(mv) == 2 ** p), "memoryview")
+d = np.full(4, r, np.float64)
+outd = np.empty(4)
+comm.Allreduce([d, np.dtype(np.float64)], [outd, "d"], op="max")
+chk.ok(np.all(outd == last), "numpy dtype / char code / string op")
+bytes_in = np.full(8, r, np.uint8)
+bo = np.empty(8 * p, np.uint8)
+comm.Allgather([bytes_in, MPI.BYTE], [bo, MPI.BYTE])
+chk.ok(np.array_equal(bo, np.repeat(np.arange(p, dtype=np.uint8), 8)), "MPI.BYTE allgather")
+
+# ---- check modes ------------------------------------------------------------------------------------
+for mode in ("new", "off"):
+    c3 = ddl.Communicator(WORLD, check=mode)
+    for i in range(3):  # "new": the first call of a signature is checked, the repeats are not
+        v = np.full(5, r + i, np.int32)
+        c3.Allreduce(ddl.IN_PLACE, v)
+        chk.ok(np.all(v == sum(range(p)) + p * i), f"check={mode} call {i}")
+    if mode == "new":   # a never-seen signature is checked: a mismatch is still caught on every rank
+        n_bad = 9 if r == 0 else 10
+        expect(ddl.MismatchError, lambda: c3.Allreduce(ddl.IN_PLACE, np.ones(n_bad, np.int16)),
+               "rank 0 called Allreduce with 9 int16", label="check=new mismatch")
+        v = np.ones(5, np.int32)
+        c3.Allreduce(ddl.IN_PLACE, v)
+        chk.ok(np.all(v == p), "check=new after a mismatch")
+    c3.Free()
+expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check must be one of", label="bad check")
+
+# ---- lifetime -------------------------------------------------------------------------------------------
+with ddl.Communicator(WORLD) as c2:
+    z = np.ones(2)
+    c2.Allreduce(ddl.IN_PLACE, z)
+    chk.ok(np.all(z == p), "context manager")
+expect(ddl.Error, lambda: c2.Allreduce(ddl.IN_PLACE, z), "freed", label="use after Free")
+comm.Free()
+chk.finish("errors")

@@ -1,0 +1,49 @@
+"""The examples run under mpiexec and report success."""
+import importlib.util
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mpi_cases._launch import ROOT, run_ok
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_allreduce_hello(n):
+    out = run_ok(n, "examples/allreduce_hello.py", "--size", "256KiB")
+    assert f"on {n} ranks" in out
+    assert "plan: " in out and "result check: OK" in out
+    assert re.search(r"time: best [\d.]+ (us|ms|s)", out)
+
+
+def test_allreduce_hello_on_a_zoo_topology():
+    out = run_ok(8, "examples/allreduce_hello.py", "topologies/emulated-2rack.yaml", "--size", "64KiB",
+                 "--iters", "2", timeout=180)
+    assert "topology emulated-2rack" in out and "result check: OK" in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_train_mlp_matches_single_process(n):
+    out = run_ok(n, "examples/train_mlp.py", "--steps", "30")
+    m = re.search(r"max relative difference of the loss curves over 30 steps on (\d) ranks: ([\d.e+-]+)", out)
+    assert m and int(m.group(1)) == n and float(m.group(2)) < 1e-6, out
+    assert "replicas bitwise identical: True" in out and "TRAIN_MLP OK" in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_local_sgd(n):
+    out = run_ok(n, "examples/local_sgd.py", "--rounds", "10", "--tau", "4")
+    assert "replicas identical after every average: True" in out and "LOCAL_SGD OK" in out
+
+
+def test_torch_hook():
+    """With PyTorch: gradient hooks average .grad across 2 ranks, matching single-process training.
+    Without: the example exits non-zero with a message saying PyTorch is needed."""
+    if importlib.util.find_spec("torch") is None:
+        proc = subprocess.run([sys.executable, "examples/torch_hook.py"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode != 0 and "needs PyTorch" in proc.stderr
+        return
+    out = run_ok(2, "examples/torch_hook.py", "--steps", "12", timeout=180)
+    assert "TORCH_HOOK OK" in out and "replicas identical: True" in out

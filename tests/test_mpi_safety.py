@@ -1,0 +1,57 @@
+"""Safety nets under real mpiexec: mismatch errors on every rank, argument errors, stall watchdog,
+a dying rank taking the job down."""
+import re
+
+import pytest
+
+from mpi_cases._launch import run_mpi, run_ok
+
+
+@pytest.mark.parametrize("n,agreement", [(2, "auto"), (5, "auto"), (3, "mpi")])
+def test_mismatch_and_argument_errors(n, agreement):
+    """auto: the shared-memory agreement (one node); mpi: MPI_Iallreduce + MPI_Iallgather on mismatch."""
+    out = run_ok(n, "errors.py", timeout=180, env={"DDL_AGREEMENT": agreement})
+    m = re.search(r"RESULT errors: (\d+) checks passed on (\d+) ranks", out)
+    assert m and int(m.group(2)) == n and int(m.group(1)) >= 40 * n, out[-3000:]
+    # the message names the odd rank out and both counts
+    assert f"rank {n - 1} called Allreduce with 1001 float32" in out
+    assert "called Allreduce with 1000 float32" in out
+
+
+@pytest.mark.parametrize("agreement", ["auto", "mpi"])
+def test_stall_watchdog_names_the_sleeping_rank(agreement):
+    n = 3
+    out = run_ok(n, "stall.py", timeout=120, mpi4py_main=False, env={"DDL_AGREEMENT": agreement})
+    assert "DONE" in out
+    assert "ddl WARNING" in out                       # the early warning on stderr
+    for scenario in (1, 2):
+        for rank in range(n - 1):                     # every waiting rank raised StallError ...
+            line = re.search(rf"STALL{scenario} rank {rank} after ([\d.]+)s: (.*)", out)
+            assert line, f"rank {rank} did not raise StallError in scenario {scenario}:\n{out[-4000:]}"
+            assert float(line.group(1)) < 2.9         # ... at the stall timeout (1 s), before the sleeper woke (3 s)
+            # ... naming the sleeping rank (shared-memory agreement: "for rank 2, which has not entered it";
+            # MPI agreement or data phase: "no word from rank 2")
+            assert re.search(r"no word from rank 2|for rank 2, which has not entered it", line.group(2)), line.group(2)
+            # no waiting rank finishes; the sleeper may, when all it needs had arrived before it slept
+            assert f"NOSTALL{scenario} rank {rank}\n" not in out
+    # the data-phase stall names the steps (op index, chunk, peer) it waits for
+    assert re.search(r"STALL2 rank \d after [\d.]+s: .*waiting for rank \d .*op \d+ \((reduce|recv) chunk \d+ from rank \d\)", out)
+    assert re.search(r"STALL1 rank 0 .*agreement step", out)
+
+
+def test_a_dying_rank_takes_the_job_down():
+    rc, out, secs = run_mpi(3, "abort.py", timeout=90, mpi4py_main=True)
+    assert rc != 0
+    assert "simulated failure on rank 1" in out
+    assert re.search(r"process 1|rank 1", out)
+    assert secs < 60
+    assert "finished" not in out
+
+
+def test_a_dying_rank_without_mpi4py_main_ends_in_stall_error():
+    """Without ``-m mpi4py`` nobody aborts; the survivors' watchdog ends the job, naming the rank."""
+    rc, out, secs = run_mpi(3, "abort.py", 3, timeout=90, mpi4py_main=False)
+    assert rc != 0
+    assert "simulated failure on rank 1" in out
+    assert "StallError" in out or "process 1" in out
+    assert secs < 60

@@ -1,0 +1,140 @@
+"""Pieces of the MPI executor that need no MPI: ops, buffer specs, agreement messages, compiled plans."""
+import array
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ddl
+from ddl.agreement import Signature, describe, format_ranks, mismatch_error
+from ddl.buffers import IN_PLACE, is_in_place, parse_buffer, resolve_dtype
+from ddl.executor import (C_RECV_DIRECT, C_RECV_LATE, C_RECV_SCRATCH, C_REDUCE_EARLY, C_SEND, CompiledPlan,
+                          TagSpace)
+from ddl.ops import check_op_dtype, resolve_op
+from ddl.schedule import ScheduleBuilder
+
+
+def test_importing_ddl_does_not_import_mpi4py():
+    code = "import sys, ddl; ddl.SUM; ddl.IN_PLACE; ddl.Communicator; assert 'mpi4py' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ops_resolve_and_dtype_rules():
+    assert resolve_op("avg") is ddl.AVG and resolve_op(ddl.MAX) is ddl.MAX and resolve_op("lor") is ddl.BOR
+    with pytest.raises(ddl.Error, match="unknown reduction op"):
+        resolve_op("median")
+    with pytest.raises(ddl.Error, match="AVG is not defined for integer dtype int32"):
+        check_op_dtype(ddl.AVG, np.int32)
+    with pytest.raises(ddl.Error, match="BAND needs an integer or bool dtype, got float16"):
+        check_op_dtype(ddl.BAND, np.float16)
+    with pytest.raises(ddl.Error, match="MIN is not defined for dtype complex64"):
+        check_op_dtype(ddl.MIN, np.complex64)
+    for dt in (np.float16, np.float32, np.int8, np.uint64):
+        check_op_dtype(ddl.SUM, dt)
+    ml = pytest.importorskip("ml_dtypes")
+    check_op_dtype(ddl.AVG, ml.bfloat16)
+    with pytest.raises(ddl.Error):
+        check_op_dtype(ddl.BXOR, ml.bfloat16)
+
+
+def test_mpi_ops_map():
+    from mpi4py import MPI
+    assert resolve_op(MPI.SUM) is ddl.SUM and resolve_op(MPI.BXOR) is ddl.BXOR and resolve_op(MPI.LAND) is ddl.BAND
+    with pytest.raises(ddl.Error, match="not supported"):
+        resolve_op(MPI.MAXLOC)
+
+
+def test_buffer_specs():
+    a = np.arange(10, dtype=np.float32)
+    assert parse_buffer(a).base is not None or parse_buffer(a) is a
+    v = parse_buffer([a, 4])
+    assert v.size == 4 and np.shares_memory(v, a)
+    v = parse_buffer([a, np.int32])
+    assert v.dtype == np.int32 and v.size == 10 and np.shares_memory(v, a)
+    v = parse_buffer([a, 3, "f"])
+    assert v.size == 3 and v.dtype == np.float32
+    v = parse_buffer([a, (2, 5), "f"])
+    assert v[0] == 5 and v.size == 2
+    b = bytearray(16)
+    v = parse_buffer([b, "d"], writable=True)
+    v[:] = 1.5
+    assert np.frombuffer(b, np.float64).tolist() == [1.5, 1.5]
+    assert parse_buffer(array.array("i", [1, 2, 3])).dtype == np.int32
+    f = np.asfortranarray(np.ones((3, 4)))
+    assert parse_buffer(f).size == 12 and np.shares_memory(parse_buffer(f), f)
+    with pytest.raises(ddl.Error, match="not contiguous"):
+        parse_buffer(np.ones((4, 4))[:, 1])
+    with pytest.raises(ddl.Error, match="lists are not buffers"):
+        parse_buffer([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(ddl.Error, match="exceeds"):
+        parse_buffer([a, 11])
+    with pytest.raises(ddl.Error, match="read-only"):
+        parse_buffer(bytes(8), writable=True)
+    with pytest.raises(ddl.Error, match="whole number"):
+        parse_buffer([np.ones(3, np.uint8), np.float32])
+    assert is_in_place(IN_PLACE) and not is_in_place(a)
+    from mpi4py import MPI
+    assert is_in_place(MPI.IN_PLACE)
+    assert resolve_dtype(MPI.DOUBLE) == np.float64 and resolve_dtype("i8") == np.int64
+
+
+def test_format_ranks():
+    assert format_ranks([3]) == "rank 3"
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7, 8"
+
+
+def test_mismatch_message_names_ranks_and_fields():
+    good = Signature("allreduce", 1000, np.dtype(np.float32), ddl.SUM, 0, 11, 22)
+    bad = Signature("allreduce", 1001, np.dtype(np.float32), ddl.SUM, 0, 11, 22)
+    table = [good.with_seq(4)] * 3 + [bad.with_seq(4)]
+    err = mismatch_error(table, 4, rank=0)
+    assert isinstance(err, ddl.MismatchError)
+    text = str(err)
+    assert "rank 3 called Allreduce with 1001 float32 (SUM)" in text
+    assert "ranks 0-2 called Allreduce with 1000 float32 (SUM)" in text
+    assert "[differs in: count]" in text and "collective #4" in text
+    assert describe(Signature("broadcast", 5, np.dtype(np.int8), None, 2, 0, 0).vector) == "Bcast with 5 int8 (root 2)"
+    assert good.hash(4) != bad.hash(4) and good.hash(4) != good.hash(5) and 0 <= good.hash(7) < 2 ** 62
+
+
+def test_tag_space_fits_tag_ub():
+    for ub in (32767, 2 ** 21 - 1, 2 ** 29 - 1, 2 ** 31 - 1):
+        t = TagSpace(ub)
+        top = t.base(t.window - 1, (1 << t.salt_bits) - 1) + t.max_chunks
+        assert top <= ub and t.base(0, 0) >= 1 and t.window >= 2
+        assert len({t.base(s, 0) for s in range(t.window)}) == t.window
+
+
+def _ring(n, pattern=(1,)):
+    b = ScheduleBuilder("allreduce", n, pattern * n, algorithm="ring")
+    k = len(pattern)
+    for phase in (True, False):
+        for step in range(n - 1):
+            for r in range(n):
+                blk = (r - step + (0 if phase else 1)) % n
+                for j in range(k):
+                    b.transfer(r, (r + 1) % n, blk * k + j, reduce=phase)
+    return b.build()
+
+
+def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
+    s = _ring(3)
+    from ddl.verify import verify
+    verify(s)
+    plan = CompiledPlan(s, 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add)
+    codes = [o[0] for o in plan.ops]
+    assert codes.count(C_SEND) == 4 and codes.count(C_REDUCE_EARLY) == 2
+    assert codes.count(C_RECV_SCRATCH) + codes.count(C_RECV_DIRECT) == 2
+    assert plan.scratch_elems > 0 and not plan.copies
+    # the first send of rank 0 reads sendbuf (buffer 0); later sends read recvbuf (buffer 1)
+    first_send = next(o for o in plan.ops if o[0] == C_SEND)
+    assert first_send[3] == 0
+    # large chunks: receives with dependencies are posted late, straight into place
+    big = CompiledPlan(s, 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add, early_limit=16)
+    assert C_RECV_LATE in [o[0] for o in big.ops]
+    # 2 elements over 3 chunks: one chunk is empty and its ops are dropped on every rank
+    tiny = [CompiledPlan(s, r, 2, np.dtype(np.float32), "allreduce", ufunc=np.add) for r in range(3)]
+    assert all(t.nops < plan.nops for t in tiny)
+    empty = CompiledPlan(s, 1, 0, np.dtype(np.float32), "allreduce", ufunc=np.add)
+    assert empty.nops == 0
