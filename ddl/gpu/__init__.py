@@ -1,0 +1,25 @@
+"""GPU support for ddl: device buffers, reduction kernels, and the NCCL executor.
+
+Importing ``ddl.gpu`` (and :mod:`ddl.gpu.buffers`, :mod:`ddl.gpu.kernels`, :mod:`ddl.gpu.launch_plan`)
+needs numpy only; CuPy is imported when a collective actually runs on device buffers.
+
+* :mod:`ddl.gpu.buffers` -- recognise device buffers (``__cuda_array_interface__``, DLPack) without
+  copying; dtype table (numpy / NCCL / CUDA C);
+* :mod:`ddl.gpu.kernels` -- CUDA C++ reduction kernels from ``native/reduce.cuh``, compiled at run
+  time (CuPy RawModule / NVRTC);
+* :mod:`ddl.gpu.launch_plan` -- a Schedule turned into steps of grouped sends/receives and the
+  reductions after each step (pure Python);
+* :mod:`ddl.gpu.executor` -- :class:`NcclExecutor`: runs collectives on device buffers over NCCL,
+  CUDA-aware MPI, or by staging through host memory, and says which (``last_path``).
+"""
+__all__ = ["DTYPES", "DeviceBuffer", "DeviceDType", "device_dtype", "is_device_buffer", "parse_device_buffer",
+           "NcclExecutor", "detect_cuda_aware_mpi"]
+
+from .buffers import DTYPES, DeviceBuffer, DeviceDType, device_dtype, is_device_buffer, parse_device_buffer  # noqa: F401
+
+
+def __getattr__(name):
+    if name in ("NcclExecutor", "detect_cuda_aware_mpi"):
+        from . import executor
+        return getattr(executor, name)
+    raise AttributeError(f"module 'ddl.gpu' has no attribute {name!r}")

@@ -1,0 +1,311 @@
+"""From a :class:`~ddl.schedule.Schedule` to device launches: steps of grouped sends/receives.
+
+NCCL has no tags and no dataflow engine: point-to-point operations are issued in *groups*
+(``ncclGroupStart`` / ``ncclGroupEnd``), a group's operations run concurrently, consecutive groups on
+one stream run one after the other, and the k-th send from a to b matches the k-th receive at b from
+a. This module turns the schedule's dataflow order into that form, in pure Python.
+
+**Levels (global).** Every send is paired with its receive (``schedule.matches``): a *transfer*.
+A transfer's level is one more than the highest level of the transfers its two operations depend on
+(``schedule.dependencies`` on the sender and on the receiver), so a transfer never shares a level
+with anything it waits for, and both halves of a transfer are issued in the same step on both
+ranks. One exception makes several incoming chunks reduce in one kernel: a ``reduce`` whose only
+dependency is the previous ``reduce`` of the same chunk (no send of the chunk in between) may share
+that reduce's level; both are then received into separate scratch slots and reduced by one launch,
+``out = op(op(a0, first), second)``, in program order.
+
+**Steps.** Step L holds this rank's transfers of level L, in a canonical order that both ends
+compute alike -- sorted by (sender, receiver, the send's index in the sender's program) -- so NCCL's
+in-order matching pairs exactly the transfers the schedule pairs; then the reductions of the
+receives of that step, in program order. Deadlock freedom: every rank issues its groups in increasing
+level and a transfer's halves share a level, so the lowest unfinished level can always complete.
+Within a step no two operations touch the same chunk (they would depend on each other), except the
+fused reduces above, which use distinct scratch slots: so a ``recv`` goes directly into place, a
+``reduce`` into scratch, and scratch is reused from one step to the next (the stream orders them).
+
+**Same reduction order as the host executor.** Reductions of a chunk happen in program order (fused
+chains too: the kernel rounds after each operation), which is exactly what the host executor does;
+results are bitwise identical.
+
+Buffers: ``send``, ``recv`` (the user's), ``work`` (reduce-scatter's blocks of other ranks) and
+``scratch``; offsets are bytes. The layouts are those of :mod:`ddl.executor`.
+"""
+from dataclasses import dataclass
+
+from ..errors import Error, ScheduleError
+from ..schedule import RECV, REDUCE, SEND
+
+SEND_BUF, RECV_BUF, WORK_BUF, SCRATCH_BUF = "send", "recv", "work", "scratch"
+LAYOUTS = ("allreduce", "allreduce_inplace", "reduce_scatter", "reduce_scatter_inplace", "allgather",
+           "allgather_inplace", "broadcast")
+ALIGN = 16  # scratch slots keep the alignment (mod 16) of the chunk they are reduced into
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point operation of a step."""
+
+    kind: str       # "send" | "recv"
+    peer: int
+    buf: str        # SEND_BUF | RECV_BUF | WORK_BUF | SCRATCH_BUF
+    offset: int     # bytes into buf
+    nbytes: int
+    chunk: int
+    op_index: int   # index of the op in this rank's program
+    reduce: bool    # a receive into scratch, reduced after the step
+    tag: int        # ordinal among this step's transfers from the same sender to the same receiver
+    key: tuple      # canonical sort key (sender, receiver, send index at the sender)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """``out = op(...op(a0, inputs[0])..., inputs[-1])`` over ``count`` elements after a step."""
+
+    chunk: int
+    count: int
+    out: tuple       # (buf, byte offset)
+    a0: tuple        # (buf, byte offset): the chunk's current value (may equal out)
+    inputs: tuple    # scratch byte offsets, in program order
+    op_indices: tuple
+
+
+@dataclass(frozen=True)
+class Step:
+    level: int
+    transfers: tuple
+    reductions: tuple
+    scratch_bytes: int
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A schedule instantiated for (rank, count, itemsize, layout) as steps of grouped transfers."""
+
+    rank: int
+    nranks: int
+    count: int
+    itemsize: int
+    layout: str
+    collective: str
+    steps: tuple
+    copies: tuple          # (src buf, src offset, dst buf, dst offset, nbytes), before step 0
+    scratch_bytes: int     # the largest step's scratch (reused from step to step)
+    work_bytes: int
+
+    @property
+    def transfers(self):
+        return [t for s in self.steps for t in s.transfers]
+
+    @property
+    def reductions(self):
+        return [r for s in self.steps for r in s.reductions]
+
+
+# ---- global levels --------------------------------------------------------------------------------
+_levels_cache = {}
+
+
+def _soft(program, deps, j):
+    """Index of the reduce that op j (a reduce) may share a level with, or None."""
+    if program[j].kind != REDUCE:
+        return None
+    d = deps[j]
+    if len(d) == 1 and program[d[0]].kind == REDUCE:
+        return d[0]
+    return None
+
+
+def transfer_levels(schedule):
+    """For every rank, for every op of its program, the level (step) of the transfer it belongs to.
+
+    Raises :class:`ddl.ScheduleError` when the schedule's waits form a cycle.
+    """
+    entry = _levels_cache.get(id(schedule))
+    if entry is not None and entry[0] is schedule:
+        return entry[1]
+    progs, deps, matches = schedule.programs, schedule.dependencies, schedule.matches
+    # transfer id of every op: the (rank, index) of its send
+    tid = []
+    for r, prog in enumerate(progs):
+        row = []
+        for i, op in enumerate(prog):
+            row.append((r, i) if op.kind == SEND else tuple(matches[r][i]))
+        tid.append(row)
+    nodes = [(r, i) for r, prog in enumerate(progs) for i, op in enumerate(prog) if op.kind == SEND]
+    preds = {}   # transfer -> list of (predecessor transfer, weight 1 hard / 0 soft)
+    succs = {n: [] for n in nodes}
+    for (a, i) in nodes:
+        b, j = matches[a][i]
+        p = [(tid[a][d], 1) for d in deps[a][i]]
+        soft = _soft(progs[b], deps[b], j)
+        for d in deps[b][j]:
+            p.append((tid[b][d], 0 if d == soft else 1))
+        preds[(a, i)] = p
+        for q, _w in p:
+            succs[q].append((a, i))
+    indeg = {n: len(preds[n]) for n in nodes}
+    level = {}
+    ready = [n for n in nodes if indeg[n] == 0]
+    while ready:
+        n = ready.pop()
+        lv = 0
+        for q, w in preds[n]:
+            lv = max(lv, level[q] + w)
+        level[n] = lv
+        for s in succs[n]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    if len(level) != len(nodes):
+        stuck = sorted(n for n in nodes if n not in level)[:4]
+        raise ScheduleError(f"schedule {schedule!r} has a cycle of waits (e.g. the sends at (rank, op) "
+                            f"{stuck}); it cannot run")
+    out = tuple(tuple(level[tid[r][i]] for i in range(len(prog))) for r, prog in enumerate(progs))
+    _levels_cache[id(schedule)] = (schedule, out)
+    if len(_levels_cache) > 256:
+        _levels_cache.pop(next(iter(_levels_cache)))
+    return out
+
+
+# ---- buffer layouts ------------------------------------------------------------------------------
+def chunk_locations(schedule, rank, count, layout):
+    """Per chunk: (initial location or None, home, needed) as (buffer, element offset) pairs, exactly as
+    the host executor's layouts (see :mod:`ddl.executor`)."""
+    if layout not in LAYOUTS:
+        raise Error(f"unknown buffer layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    ranges = schedule.chunk_ranges(count)
+    block = count // schedule.nblocks
+    locs = []
+    for c in range(schedule.nchunks):
+        s = int(ranges[c, 0])
+        b = schedule.block_of(c)
+        if layout == "allreduce":
+            init, home, needed = (SEND_BUF, s), (RECV_BUF, s), True
+        elif layout in ("allreduce_inplace", "broadcast", "allgather_inplace"):
+            init, home, needed = (RECV_BUF, s), (RECV_BUF, s), True
+            if layout == "broadcast" and rank != schedule.root:
+                init = None
+            if layout == "allgather_inplace" and b != rank:
+                init = None
+        elif layout == "reduce_scatter":
+            init = (SEND_BUF, s)
+            home = (RECV_BUF, s - rank * block) if b == rank else (WORK_BUF, s)
+            needed = b == rank
+        elif layout == "reduce_scatter_inplace":
+            init, home, needed = (RECV_BUF, s), (RECV_BUF, s), b == rank
+        else:  # allgather
+            init = (SEND_BUF, s - rank * block) if b == rank else None
+            home, needed = (RECV_BUF, s), True
+        locs.append((init, home, needed))
+    return ranges, locs
+
+
+def _slot(cursor, out_offset):
+    """Next scratch offset >= cursor congruent to out_offset mod ALIGN (keeps the vector path)."""
+    base = -(-cursor // ALIGN) * ALIGN
+    return base + out_offset % ALIGN
+
+
+def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
+    """Translate ``schedule`` for ``rank`` and a buffer of ``count`` elements of ``itemsize`` bytes.
+
+    ``count`` is the whole buffer as in :meth:`Schedule.chunk_ranges` (reduce-scatter: the send
+    buffer, allgather: the receive buffer). Operations on empty chunks are dropped (every rank drops
+    the same ones). Returns a :class:`LaunchPlan`.
+    """
+    if not 0 <= rank < schedule.nranks:
+        raise Error(f"rank {rank} is not a rank of {schedule!r}")
+    itemsize = int(itemsize)
+    ranges, locs = chunk_locations(schedule, rank, count, layout)
+    program = schedule.programs[rank]
+    deps = schedule.dependencies[rank]
+    matches = schedule.matches[rank]
+    levels = transfer_levels(schedule)[rank]
+
+    written = [False] * schedule.nchunks
+    per_level = {}   # level -> dict(transfers=[], reds=[], open={chunk: reduction list index}, cursor)
+
+    def state(lv):
+        st = per_level.get(lv)
+        if st is None:
+            st = per_level[lv] = {"transfers": [], "reds": [], "open": {}, "cursor": 0}
+        return st
+
+    for i, (kind, c, peer) in enumerate(program):
+        e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
+        if e1 <= e0:
+            continue
+        nbytes = (e1 - e0) * itemsize
+        init, home, _needed = locs[c]
+        cur = home if written[c] else init
+        lv = levels[i]
+        st = state(lv)
+        if kind == SEND:
+            if cur is None:
+                raise Error(f"schedule {schedule!r}: rank {rank} op {i} sends chunk {c} before it holds data")
+            key = (rank, peer, i)
+            st["transfers"].append((key, kind, peer, cur[0], cur[1] * itemsize, nbytes, c, i, False))
+            continue
+        hbuf, hoff = home[0], home[1] * itemsize
+        if kind == RECV:
+            key = (peer, rank, matches[i][1])
+            st["transfers"].append((key, "recv", peer, hbuf, hoff, nbytes, c, i, False))
+            st["open"].pop(c, None)
+        else:  # REDUCE
+            if cur is None:
+                raise Error(f"schedule {schedule!r}: rank {rank} op {i} reduces into chunk {c} before it holds data")
+            slot = _slot(st["cursor"], hoff)
+            st["cursor"] = slot + nbytes
+            key = (peer, rank, matches[i][1])
+            st["transfers"].append((key, "recv", peer, SCRATCH_BUF, slot, nbytes, c, i, True))
+            soft = _soft(program, deps, i)
+            k = st["open"].get(c)
+            if soft is not None and k is not None and levels[soft] == lv and st["reds"][k]["ops"][-1] == soft:
+                st["reds"][k]["inputs"].append(slot)
+                st["reds"][k]["ops"].append(i)
+            else:
+                st["reds"].append({"chunk": c, "count": e1 - e0, "out": (hbuf, hoff),
+                                   "a0": (cur[0], cur[1] * itemsize), "inputs": [slot], "ops": [i]})
+                st["open"][c] = len(st["reds"]) - 1
+        written[c] = True
+
+    steps = []
+    for lv in sorted(per_level):
+        st = per_level[lv]
+        trs = sorted(st["transfers"], key=lambda t: t[0])
+        ordinal = {}
+        out = []
+        for key, kind, peer, buf, off, nbytes, c, i, red in trs:
+            pair = key[:2]
+            tag = ordinal.get(pair, 0)
+            ordinal[pair] = tag + 1
+            out.append(Transfer(kind, peer, buf, off, nbytes, c, i, red, tag, key))
+        reds = tuple(Reduction(r["chunk"], r["count"], r["out"], r["a0"], tuple(r["inputs"]), tuple(r["ops"]))
+                     for r in st["reds"])
+        steps.append(Step(lv, tuple(out), reds, st["cursor"]))
+
+    copies = []
+    for c, (init, home, needed) in enumerate(locs):
+        e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
+        if needed and not written[c] and e1 > e0 and init is not None and init != home:
+            copies.append((init[0], init[1] * itemsize, home[0], home[1] * itemsize, (e1 - e0) * itemsize))
+    work = count * itemsize if layout == "reduce_scatter" and schedule.nranks > 1 else 0
+    return LaunchPlan(rank, schedule.nranks, count, itemsize, layout, schedule.collective, tuple(steps),
+                      tuple(copies), max((s.scratch_bytes for s in steps), default=0), work)
+
+
+def describe(plan):
+    """Human-readable listing of a launch plan (debugging: ``print(describe(lp))``)."""
+    lines = [f"rank {plan.rank}/{plan.nranks} {plan.layout} count={plan.count} itemsize={plan.itemsize}: "
+             f"{len(plan.steps)} steps, scratch {plan.scratch_bytes} B, work {plan.work_bytes} B"]
+    for sb, so, db, do, n in plan.copies:
+        lines.append(f"  copy {sb}+{so} -> {db}+{do} ({n} B)")
+    for s in plan.steps:
+        lines.append(f"  step {s.level}:")
+        for t in s.transfers:
+            lines.append(f"    {t.kind} chunk {t.chunk} {'to' if t.kind == 'send' else 'from'} {t.peer}: "
+                         f"{t.buf}+{t.offset} ({t.nbytes} B){' [reduce]' if t.reduce else ''}")
+        for r in s.reductions:
+            lines.append(f"    reduce chunk {r.chunk}: {r.out[0]}+{r.out[1]} = op({r.a0[0]}+{r.a0[1]}, "
+                         f"scratch {list(r.inputs)}) x {r.count}")
+    return "\n".join(lines)
