@@ -299,13 +299,15 @@ def _fill_region(region, bundle_links, weight, rate, load, capacity):
             todo.append((lim / weight[b], 0, b))
             at_cap[b] = at
     flows = {}                     # shared link -> unfrozen flows on it
+    due = {}                       # shared link -> the level of its live entry in todo
     for l, mem in members.items():
         if len(mem) > 1:
             w = 0
             for x in mem:
                 w += weight[x]
             flows[l] = w
-            todo.append((residual[l] / w, 1, l))
+            due[l] = residual[l] / w
+            todo.append((due[l], 1, l))
     heapq.heapify(todo)
     rates, neck = {}, {}
     left = len(region)
@@ -316,10 +318,9 @@ def _fill_region(region, bundle_links, weight, rate, load, capacity):
                 continue
             frozen, at = (x,), at_cap[x]
         else:
-            w = flows.get(x)
-            if w is None or level != residual[x] / w:      # stale: the link changed since
-                continue
-            del flows[x]
+            if due.get(x) != level:        # stale: the link changed since (compare the key pushed, not
+                continue                   # a recomputed quotient, which rounding may move)
+            del flows[x], due[x]
             frozen, at = [b for b in members[x] if b not in rates], x
         for b in frozen:
             rates[b] = level
@@ -336,11 +337,13 @@ def _fill_region(region, bundle_links, weight, rate, load, capacity):
                     if c:
                         flows[l] = c
                         nxt = residual[l] / c
-                        heappush(todo, (nxt if nxt > level else level, 1, l))
                         if nxt < level:
+                            nxt = level
                             residual[l] = level * c
+                        due[l] = nxt
+                        heappush(todo, (nxt, 1, l))
                     else:
-                        del flows[l]
+                        del flows[l], due[l]
     return rates, neck, members
 
 
