@@ -222,8 +222,16 @@ def test_schedules_verify(name, collective, nbytes):
             assert all(topo.is_transit(x) for x in path[1:-1])
 
 
-def test_fat_tree_r4_allreduce_verifies():
+def test_fat_tree_r4_allreduce_verifies(monkeypatch):
+    monkeypatch.setattr(tp, "MAX_PLAN_TRANSFERS", 1 << 17)
     verify(tree_packing(fat_tree(4), "allreduce", nbytes=1 << 16))
+
+
+def test_too_fine_grained_packing_declines():
+    """69 pieces per block on the r=4 fat tree: 33120 transfers, over the limit; the planner then
+    uses the other algorithms (a ring is optimal there)."""
+    with pytest.raises(PlanError, match=r"69 pieces, 33120 transfers before pipelining \(limit 32768\)"):
+        tree_packing(fat_tree(4), "allreduce", nbytes=1 << 16)
 
 
 def test_pipelining_follows_nbytes():

@@ -475,12 +475,20 @@ def _bfs_order(parent, root):
 # symmetry
 
 
+VF2_BUDGET = 20_000  # candidate vertex pairs VF2 may try per rank pair before giving up on it
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
 def rank_symmetries(graph, ranks):
     """Classes of ranks exchanged by automorphisms of ``graph`` (preserving capacities, vertex kinds
     and the rank set), with a witness: ``{rank index r: (representative s, vertex map g with g(s) = r
     or None for the identity)}``. Candidate pairs are filtered by Weisfeiler-Lehman hashes and
-    confirmed by VF2 (networkx), so the answer is exact; a rank no automorphism reaches from an
-    earlier representative becomes one itself."""
+    confirmed by VF2 (networkx), so every pair it reports is exact; a rank no automorphism reaches from
+    an earlier representative, or one for which VF2 exhausts :data:`VF2_BUDGET` (its search is
+    exponential on fabrics with many look-alike parts), becomes a representative itself."""
     import warnings
 
     import networkx as nx
@@ -499,6 +507,10 @@ def rank_symmetries(graph, ranks):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hashes = nx.weisfeiler_lehman_subgraph_hashes(h, edge_attr="cap", node_attr="lab", iterations=4)
+    # Automorphisms preserve WL colours, so VF2 may match only vertices of equal colour: exact, and it
+    # prunes the search that otherwise explodes on fabrics with many look-alike but unequal parts.
+    for v in names:
+        h.nodes[ident[v]]["lab"] += "/" + hashes[ident[v]][-1]
     reps, out = [], {}
     for r, vr in enumerate(ranks):
         found = None
@@ -509,9 +521,19 @@ def rank_symmetries(graph, ranks):
             h1, h2 = h.copy(), h.copy()
             h1.nodes[ident[vs]]["lab"] = "*"
             h2.nodes[ident[vr]]["lab"] = "*"
-            matcher = DiGraphMatcher(h2, h1, node_match=lambda a, b: a["lab"] == b["lab"],
-                                     edge_match=lambda a, b: a["cap"] == b["cap"])
-            iso = next(matcher.isomorphisms_iter(), None)  # h2 vertex -> h1 vertex
+            budget = [VF2_BUDGET]
+
+            def node_match(a, b):
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise _OutOfBudget
+                return a["lab"] == b["lab"]
+
+            matcher = DiGraphMatcher(h2, h1, node_match=node_match, edge_match=lambda a, b: a["cap"] == b["cap"])
+            try:
+                iso = next(matcher.isomorphisms_iter(), None)  # h2 vertex -> h1 vertex
+            except _OutOfBudget:
+                iso = None  # undecided: r becomes a representative of its own (exact, only less sharing)
             if iso is not None:
                 found = (s, {names[b]: names[a] for a, b in iso.items()})
                 break
@@ -528,6 +550,7 @@ def rank_symmetries(graph, ranks):
 
 
 LEVELED_MAX_RANKS = 16   # beyond this the level-by-level phase costs more than it is worth
+PHASE2_MAX_COLUMNS = 1024  # beyond this one depth-LP solve takes minutes: phase 1's trees are kept
 
 _OPTIONS = {"presolve": False, "primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
 
@@ -708,7 +731,7 @@ def pack_arborescences(graph, ranks, roots=None, *, known_bound=None, tol=1e-9, 
     # phase 2: the same T, trees that also work level by level / shallow trees
     columns = master.columns
     leveled = math.nan
-    if shallow and len(members) == len(roots):
+    if shallow and len(members) == len(roots) and len(master.columns) <= PHASE2_MAX_COLUMNS:
         big = p > LEVELED_MAX_RANKS
         weights = _phase2(fabric, master, tstar * (1 + tol), 1 if big else shallow_iterations, weights,
                           pricing=not big)

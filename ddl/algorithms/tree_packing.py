@@ -46,7 +46,11 @@ order pipelines as well. ``Schedule.routes`` pins the physical paths the LP chos
 rank pair), so the simulator and executors load the links the LP planned.
 
 Limits: at most :data:`MAX_RANKS` (64) ranks -- the LP grows as ``p`` roots x links; big symmetric
-clusters are the ``hierarchical`` algorithm's job. Deterministic: everything is sorted and HiGHS runs
+clusters are the ``hierarchical`` algorithm's job. A packing whose trees cut the blocks into so many
+pieces that the schedule needs more than :data:`MAX_PLAN_TRANSFERS` transfers before pipelining
+declines with a PlanError (on the zoo: the 2 x 8 and 4 x 8 DGX A100 and the heterogeneous cluster),
+since such schedules take minutes to simulate and spend their time on per-message costs; reducing the
+tree count there (Blink's second phase, or trees built from the fabric's automorphism group) is open. Deterministic: everything is sorted and HiGHS runs
 a fixed dual simplex. The packing is cached per (topology, direction, root) in the process.
 """
 from __future__ import annotations
@@ -71,6 +75,8 @@ MIN_CHUNK_BYTES = 256 << 10       # sub-chunks stay at least this large
 DEFAULT_NBYTES = 256 << 20        # pipelining assumes this buffer when nbytes is not given
 MAX_PIPELINE = 8                  # at most this many sub-chunks per tree
 MAX_TRANSFERS = 1 << 16           # pipelining stops short of this many transfers per schedule
+MAX_PIECE_TRANSFERS = 1 << 16     # weight grids whose pieces need more transfers than this are not used
+MAX_PLAN_TRANSFERS = 1 << 15      # packings that need more transfers than this (before pipelining) decline
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,7 +134,7 @@ def _integer_weights(weights, grid=GRID):
 def _round_weights(packing, roots, graph):
     """Integer tree weights on a coarse grid (16, 32, ... GRID steps per block): the merged pieces
     (the chunk pattern) stay few. The coarsest grid that costs at most ROUNDING_SLACK of bandwidth,
-    unless its pieces would exceed the transfer budget (MAX_TRANSFERS), in which case the grid within
+    unless its pieces would exceed the transfer budget (MAX_PIECE_TRANSFERS), in which case the grid within
     the budget that loses least. Returns ``({root: [ints]}, grid, relative bandwidth loss)``."""
     index = {e: i for i, e in enumerate(packing.links)}
     cap = np.array([graph[u][v]["capacity"] for u, v in packing.links], dtype=float)
@@ -144,7 +150,7 @@ def _round_weights(packing, roots, graph):
             per.append(use)
         uses.append(per)
     p = len(packing.trees[0][0].parent) if packing.trees and packing.trees[0] else 1
-    max_pieces = max(1, MAX_TRANSFERS // (len(roots) * max(1, p - 1)))
+    max_pieces = max(1, MAX_PIECE_TRANSFERS // (len(roots) * max(1, p - 1)))
     target = packing.seconds_per_byte
     options = []
     grid = 16
@@ -207,8 +213,8 @@ def _forest(topo, direction, root=None):
 def tree_packing(topo, collective, *, root=0, nbytes=None):
     """Schedule ``collective`` on ``topo`` over an optimal packing of spanning trees (module docstring).
 
-    Raises :class:`ddl.PlanError` for an unknown collective, a bad root, or more than
-    :data:`MAX_RANKS` ranks."""
+    Raises :class:`ddl.PlanError` for an unknown collective, a bad root, more than :data:`MAX_RANKS`
+    ranks, or a packing too fine-grained to run (:data:`MAX_PLAN_TRANSFERS`)."""
     if collective not in COLLECTIVES:
         raise PlanError(f"{NAME} does not support the collective {collective!r}; it plans {', '.join(COLLECTIVES)}")
     p = topo.nranks
@@ -246,6 +252,13 @@ def tree_packing(topo, collective, *, root=0, nbytes=None):
                 cuts.add(acc)
     cuts = sorted(cuts)
     pieces = [(a, c - a) for a, c in zip(cuts, cuts[1:])]
+    transfers = len(pieces) * len(blocks) * (p - 1) * len(forests)
+    if transfers > MAX_PLAN_TRANSFERS:
+        # Too fine-grained: simulating it takes minutes and an executor spends its time on message
+        # overheads. The optimum is kept in the error so that users see what was given up.
+        raise PlanError(f"{NAME}: the packing's trees cut every block into {len(pieces)} pieces, {transfers} "
+                        f"transfers before pipelining (limit {MAX_PLAN_TRANSFERS}); 'hierarchical' and "
+                        f"'multicommodity-flow' plan this fabric")
     # tree of each (forest, block, piece), and the smallest tree weight over each piece
     tree_of = []
     smallest = [GRID] * len(pieces)
