@@ -36,7 +36,7 @@ Collectives
 * ``broadcast``: the same LP with the one root (its optimum is the rooted min cut, Edmonds).
 
 Pipelining: when trees are deeper than 1 or the collective reduces, every piece is cut into
-sub-chunks so that each tree carries ``MAX_PIPELINE`` (8) of them, each >= 256 KiB (``nbytes``
+sub-chunks so that each tree carries ``MAX_PIPELINE`` (32) of them, each >= 256 KiB (``nbytes``
 defaults to 256 MiB), at most ``MAX_TRANSFERS`` transfers in all. Sub-chunk sizes grow like
 ``H_m - H_(m-j-1)`` (harmonic numbers): when every sub-chunk of a piece is ready at once and links
 are shared fairly, they then complete at even intervals, so relays and reductions start early
@@ -73,7 +73,7 @@ GRID = 1 << 20                    # tree weights are integers out of GRID per bl
 ROUNDING_SLACK = 5e-3             # bandwidth we give up to put tree weights on a coarse grid
 MIN_CHUNK_BYTES = 256 << 10       # sub-chunks stay at least this large
 DEFAULT_NBYTES = 256 << 20        # pipelining assumes this buffer when nbytes is not given
-MAX_PIPELINE = 8                  # at most this many sub-chunks per tree
+MAX_PIPELINE = 32                 # at most this many sub-chunks per tree
 MAX_TRANSFERS = 1 << 16           # pipelining stops short of this many transfers per schedule
 MAX_PIECE_TRANSFERS = 1 << 16     # weight grids whose pieces need more transfers than this are not used
 MAX_PLAN_TRANSFERS = 1 << 15      # packings that need more transfers than this (before pipelining) decline
