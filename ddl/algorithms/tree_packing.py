@@ -42,8 +42,8 @@ sub-chunk >= 256 KiB (``nbytes`` defaults to 256 MiB), at most ``MAX_TRANSFERS``
 Deeper pipelines drain faster (the two-rack emulated cluster: 1.12x the bound instead of 1.19x) but
 every message costs the executor time that the model does not count: on a fast fabric 32 sub-chunks
 made a 64 MiB host allreduce 2-3x slower than 8, so depth grows only where each step is long.
-Sub-chunk sizes grow like ``H_m - H_(m-j-1)`` (harmonic numbers): when every sub-chunk of a piece is ready at once and links
-are shared fairly, they then complete at even intervals, so relays and reductions start early
+Sub-chunk sizes grow like ``H_m - H_(m-j-1)`` (harmonic numbers): when every sub-chunk of a piece
+is ready at once and links are shared fairly, they then complete at even intervals, so relays and reductions start early
 instead of all at the end. Programs list transfers by pipeline step, then piece, then block, in
 breadth-first order (leaves first for reductions), so an executor that serves a peer in program
 order pipelines as well. ``Schedule.routes`` pins the physical paths the LP chose (byte shares per
@@ -55,7 +55,8 @@ pieces that the schedule needs more than :data:`MAX_PLAN_TRANSFERS` transfers be
 declines with a PlanError (on the zoo: the 2 x 8 and 4 x 8 DGX A100 and the interleaved 4:1 fat
 tree), since such schedules take minutes to simulate and spend their time on per-message costs;
 reducing the tree count there (Blink's second phase, or trees built from the fabric's automorphism
-group) is open. Deterministic: everything is sorted and HiGHS runs a fixed dual simplex. The packing is cached per (topology, direction, root) in the process.
+group) is open. Deterministic: everything is sorted and HiGHS runs a fixed dual simplex. The
+packing is cached per (topology, direction, root) in the process.
 """
 from __future__ import annotations
 
