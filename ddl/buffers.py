@@ -116,35 +116,45 @@ def flat_view(arr, what):
                 f"contiguous buffers: pass numpy.ascontiguousarray(...) or a contiguous slice")
 
 
+def split_spec(spec, what, not_a_buffer):
+    """An mpi4py buffer spec -> ``(buf, count or None, displacement, dtype or None)``.
+
+    Shared by the host and the device buffer parsers: the forms are the same, only the memory differs.
+    ``not_a_buffer`` is the message for a list of numbers (a common mistake: lists are not buffers).
+    """
+    count = dtype = None
+    displ = 0
+    if not isinstance(spec, (list, tuple)):
+        return spec, count, displ, dtype
+    if not spec or isinstance(spec[0], (int, float, complex, np.number)):
+        raise Error(not_a_buffer)
+    if len(spec) == 2:
+        buf, second = spec
+        if isinstance(second, (int, np.integer)) and not isinstance(second, bool):
+            count = int(second)
+        else:
+            dtype = second
+    elif len(spec) == 3:
+        buf, count, dtype = spec
+        if isinstance(count, (tuple, list)):  # mpi4py's (count, displacement)
+            if len(count) != 2:
+                raise Error(f"{what}: count must be an int or (count, displacement)")
+            count, displ = int(count[0]), int(count[1])
+        count = None if count is None else int(count)
+    else:
+        raise Error(f"{what} spec must be buf, [buf, count], [buf, dtype] or [buf, count, dtype]; "
+                    f"got a {type(spec).__name__} of length {len(spec)}")
+    return buf, count, displ, dtype
+
+
 def parse_buffer(spec, what="buffer", writable=False):
     """Buffer spec -> 1-D numpy array viewing the described memory (no copy).
 
     ``what`` names the argument in error messages (``"recvbuf"``).
     """
-    count = dtype = None
-    displ = 0
-    if isinstance(spec, (list, tuple)):
-        if not spec or isinstance(spec[0], (int, float, complex, np.number)):
-            raise Error(f"{what} must be a numpy array or an object with the buffer protocol, got a "
-                        f"{type(spec).__name__} of numbers (lists are not buffers: use numpy.array(...))")
-        if len(spec) == 2:
-            buf, second = spec
-            if isinstance(second, (int, np.integer)) and not isinstance(second, bool):
-                count = int(second)
-            else:
-                dtype = second
-        elif len(spec) == 3:
-            buf, count, dtype = spec
-            if isinstance(count, (tuple, list)):  # mpi4py's (count, displacement)
-                if len(count) != 2:
-                    raise Error(f"{what}: count must be an int or (count, displacement)")
-                count, displ = int(count[0]), int(count[1])
-            count = None if count is None else int(count)
-        else:
-            raise Error(f"{what} spec must be buf, [buf, count], [buf, dtype] or [buf, count, dtype]; "
-                        f"got a {type(spec).__name__} of length {len(spec)}")
-    else:
-        buf = spec
+    buf, count, displ, dtype = split_spec(
+        spec, what, f"{what} must be a numpy array or an object with the buffer protocol, got a "
+                    f"{type(spec).__name__} of numbers (lists are not buffers: use numpy.array(...))")
     arr = _as_array(buf, what)
     flat = flat_view(arr, what)
     if dtype is not None:

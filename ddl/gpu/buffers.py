@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..buffers import split_spec
 from ..errors import Error
 
 # ---- dtypes ---------------------------------------------------------------------------------------
@@ -463,29 +464,8 @@ def as_device_buffer(obj, what="buffer", stream=None):
 
 def parse_device_buffer(spec, what="buffer", writable=False, stream=None):
     """Buffer spec -> flat :class:`DeviceBuffer` (no copy), as :func:`ddl.buffers.parse_buffer`."""
-    count = dtype = None
-    displ = 0
-    if isinstance(spec, (list, tuple)):
-        if not spec or isinstance(spec[0], (int, float, complex, np.number)):
-            raise Error(f"{what} must be a device array or an mpi4py-style [buf, count, dtype] spec")
-        if len(spec) == 2:
-            buf, second = spec
-            if isinstance(second, (int, np.integer)) and not isinstance(second, bool):
-                count = int(second)
-            else:
-                dtype = second
-        elif len(spec) == 3:
-            buf, count, dtype = spec
-            if isinstance(count, (tuple, list)):
-                if len(count) != 2:
-                    raise Error(f"{what}: count must be an int or (count, displacement)")
-                count, displ = int(count[0]), int(count[1])
-            count = None if count is None else int(count)
-        else:
-            raise Error(f"{what} spec must be buf, [buf, count], [buf, dtype] or [buf, count, dtype]; "
-                        f"got a {type(spec).__name__} of length {len(spec)}")
-    else:
-        buf = spec
+    buf, count, displ, dtype = split_spec(
+        spec, what, f"{what} must be a device array or an mpi4py-style [buf, count, dtype] spec")
     b = as_device_buffer(buf, what, stream)
     if dtype is not None:
         dt = device_dtype(dtype)
