@@ -172,27 +172,7 @@ def greedy_tree(cost, root, depth_limit):
     """Prim-like arborescence of depth <= ``depth_limit`` on the cost matrix: repeatedly attach the
     rank with the cheapest edge from an attached rank still above the limit (ties: lower index, the
     root first). Returns the parent array, or None when the limit cannot be met."""
-    p = cost.shape[0]
-    parent = np.full(p, -1)
-    depth = np.zeros(p, dtype=np.int64)
-    attached = np.zeros(p, dtype=bool)
-    attached[root] = True
-    best = cost[root].copy()
-    best[root] = np.inf
-    arg = np.full(p, root)
-    for _ in range(p - 1):
-        cand = np.where(attached, np.inf, best)
-        v = int(np.argmin(cand))
-        if not np.isfinite(cand[v]):
-            return None
-        parent[v] = arg[v]
-        depth[v] = depth[arg[v]] + 1
-        attached[v] = True
-        if depth[v] < depth_limit:
-            better = (cost[v] < best) & ~attached
-            best[better] = cost[v][better]
-            arg[better] = v
-    return parent
+    return greedy_levels([cost] * max(1, depth_limit), root, depth_limit)
 
 
 def improve_tree(parent, cost, root, depth_limit):
@@ -230,7 +210,7 @@ def improve_tree(parent, cost, root, depth_limit):
 
 def greedy_levels(costs, root, depth_limit):
     """:func:`greedy_tree` with level-dependent costs: ``costs[l][u, v]`` is the cost of the edge
-    ``u -> v`` when ``v`` lands at depth ``l + 1``."""
+    ``u -> v`` when ``v`` lands at depth ``l + 1`` (the same matrix at every level: greedy_tree)."""
     p = costs[0].shape[0]
     parent = np.full(p, -1)
     depth = np.zeros(p, dtype=np.int64)
