@@ -17,6 +17,12 @@ from the topology alone:
   (max-flow/min-cut), and the optimum ``x*`` is found exactly by a Dinkelbach (Newton) iteration on the
   violated min cuts. Broadcast and reduce use Edmonds' branching theorem: a root can stream to every
   rank at the smallest root-to-rank min cut.
+* **Allreduce** (:func:`allreduce_bound`) is *not* reduce-scatter's bound plus allgather's: a pipelined
+  schedule overlaps the two on the two directions of every link, and a rank behind a slow link needs
+  about ``N/B``, not ``2(p-1)/p · N/B``. Its bound is the larger of the min cut (``N`` each way) and a
+  partition bound (the groups of a partition gossip: ``2(j-1)`` crossings per byte), which is exact
+  where Blink's reduce-broadcast tree packing runs without switches, and equals twice the allgather
+  bound on every uniform fabric and tier.
 * **Latency** (:func:`latency_bound`): ``ceil(log2 p)`` rounds of the smallest rank-to-rank latency.
 * **Bus bandwidth** (:func:`busbw`): the nccl-tests convention, so our numbers read like theirs.
 
@@ -40,13 +46,14 @@ from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+from scipy.sparse.csgraph import breadth_first_order, connected_components, maximum_flow
 
 from .errors import PlanError
 
 __all__ = [
-    "COLLECTIVES", "CutBound", "Bound",
-    "cut_bound", "bandwidth_bound", "latency_bound", "lower_bound", "min_rank_latency",
+    "COLLECTIVES", "CutBound", "AllreduceBound", "Bound",
+    "cut_bound", "allreduce_bound", "allreduce_bound_graph", "bandwidth_bound", "latency_bound",
+    "lower_bound", "min_rank_latency",
     "cut_bound_graph", "broadcast_bandwidth_graph", "reduce_bandwidth_graph", "min_rank_latency_graph",
     "bandwidth_bound_graph", "latency_bound_graph", "lower_bound_graph",
     "algbw", "busbw", "busbw_factor",
@@ -283,6 +290,122 @@ def cut_bound_graph(graph, ranks):
 
 
 # ----------------------------------------------------------------------------------------------------
+# allreduce (partition bound)
+
+
+class AllreduceBound(NamedTuple):
+    """A lower bound on allreduce: time >= ``N * seconds_per_byte``.
+
+    ``groups`` is the limiting partition of the rank vertices (a tuple of frozensets of vertices; the
+    vertices in no group are switches and links), ``bandwidth`` the smaller of the capacities leaving
+    and entering the groups, summed over the groups, and ``crossings`` how many times each byte must
+    cross a group boundary: ``seconds_per_byte = crossings / bandwidth``.
+    """
+    seconds_per_byte: float
+    groups: tuple
+    bandwidth: float
+    crossings: int
+
+    @property
+    def algbw(self):
+        """Best allreduce algorithm bandwidth ``N / time`` (bytes/s)."""
+        return 1.0 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf
+
+
+def _partition_candidates(net):
+    """Vertex labellings to try as partitions: the rank vertices on their own, then, for every
+    capacity ``t`` of the graph, the connected components of the links of capacity >= ``t`` (GPUs
+    with their NVLink switch, hosts, racks: the tiers a topology is built of)."""
+    yield np.arange(net.n)
+    caps = net.cap
+    for t in sorted(set(caps.tolist()), reverse=True):
+        keep = caps >= t
+        adj = sp.coo_array((np.ones(int(keep.sum())), (net.tail[:net.m][keep], net.head[:net.m][keep])),
+                           shape=(net.n, net.n))
+        yield connected_components(adj, directed=True, connection="weak")[1]
+
+
+def _partition_bound(net, rank_idx):
+    """Best ``(crossings / bandwidth, groups, bandwidth, crossings)`` over :func:`_partition_candidates`."""
+    tail, head, cap = net.tail[:net.m], net.head[:net.m], net.cap
+    best = (0.0, (), math.inf, 0)
+    seen = set()
+    for labels in _partition_candidates(net):
+        group_labels = np.unique(labels[rank_idx])
+        j = len(group_labels)
+        key = tuple(labels[rank_idx])
+        if j < 2 or key in seen:
+            continue
+        seen.add(key)
+        is_group = np.zeros(labels.max() + 1, dtype=bool)
+        is_group[group_labels] = True
+        crossing = labels[tail] != labels[head]
+        out = math.fsum(cap[crossing & is_group[labels[tail]]])
+        inn = math.fsum(cap[crossing & is_group[labels[head]]])
+        bandwidth = min(out, inn)
+        spb = math.inf if bandwidth == 0 else 2 * (j - 1) / bandwidth
+        if spb > best[0]:
+            groups = tuple(frozenset(net.vertices[i] for i in np.flatnonzero(labels == g)) for g in group_labels)
+            best = (spb, groups, bandwidth, 2 * (j - 1))
+    return best
+
+
+def _min_rank_cut(graph, net, rank_vertices):
+    """Smallest capacity of a cut with rank vertices on both sides, in either direction, and its
+    source side: ``min over v of maxflow(u0, v), maxflow(v, u0)`` for a fixed rank vertex ``u0``."""
+    q, _exact = _integer_capacities(net.cap, 1)
+    u0 = rank_vertices[0]
+    forward = net.matrix(q)
+    best = (math.inf, frozenset())
+    for v in _twin_representatives(graph, rank_vertices, exclude={u0}):
+        for a, b in ((u0, v), (v, u0)):
+            s, t = net.index[a], net.index[b]
+            res = maximum_flow(forward, s, t)
+            mask = net.source_side(forward, res, s)
+            cap = net.cut_capacity(mask)
+            if cap < best[0]:
+                best = (cap, frozenset(net.vertices[i] for i in np.flatnonzero(mask)))
+    return best
+
+
+def allreduce_bound_graph(graph, ranks):
+    """A lower bound on allreduce on ``graph`` that holds for every algorithm, pipelined or not.
+
+    Allreduce is *not* bounded by reduce-scatter's bound plus allgather's: the two can overlap on the
+    two directions of a full-duplex link (a rank behind a slow link uploads its vector while the
+    result of earlier chunks comes down, in about ``N/B``, not ``2(p-1)/p · N/B``). What does hold:
+
+    * **Partition bound.** Split the rank vertices into ``j >= 2`` groups ``S_1..S_j`` of vertices
+      (the rest, holding no rank, only forwards). Per byte of the buffer, the groups must gossip: each
+      needs the contribution of all the others and no group can learn it in fewer calls than the
+      one-way gossip problem allows, ``2(j-1)`` transfers between groups (every transfer leaves one
+      group and, the rest only forwarding, enters another). So ``time >= 2(j-1) N / min(Σ B+(S_i),
+      Σ B-(S_i))``. With every rank on its own this is the classic ``2(p-1)/p · N/B`` of a uniform
+      star (Patarasuk & Yuan, 2009); with hosts, racks or boxes as groups it is the tier bound.
+    * **Min cut.** Across any cut with ranks on both sides, the far side needs the sum of the near
+      side's contributions: ``N`` bytes each way, ``time >= N / min cut``.
+
+    We take the larger of the min cut and the partition bound over the partitions a topology is built
+    of (:func:`_partition_candidates`); any partition gives a valid bound, so this is never above the
+    optimum. On full-duplex fabrics where every rank, or every tier, is alike it equals twice
+    ForestColl's allgather bound (DGX-1: 150 GB/s bus bandwidth; fat trees; DGX A100 boxes).
+    """
+    mult = Counter(ranks)
+    if len(mult) < 2:
+        return AllreduceBound(0.0, (), math.inf, 0)
+    rank_vertices = list(mult)
+    net = _Network(graph)
+    rank_idx = np.array([net.index[v] for v in rank_vertices])
+    spb, groups, bandwidth, crossings = _partition_bound(net, rank_idx)
+    cut_cap, side = _min_rank_cut(graph, net, rank_vertices)
+    if cut_cap == 0 or 1.0 / cut_cap > spb:
+        rest = frozenset(net.vertices) - side
+        spb = math.inf if cut_cap == 0 else 1.0 / cut_cap
+        groups, bandwidth, crossings = (side, rest), cut_cap, 1
+    return AllreduceBound(spb, groups, bandwidth, crossings)
+
+
+# ----------------------------------------------------------------------------------------------------
 # broadcast / reduce (Edmonds: rooted min cut)
 
 
@@ -415,26 +538,30 @@ def cut_bound(topo, reverse=False):
     return _cached((topo.fingerprint, "cut", bool(reverse)), compute)
 
 
+def allreduce_bound(topo):
+    """:class:`AllreduceBound` of ``topo``, cached per topology fingerprint."""
+    return _cached((topo.fingerprint, "allreduce"),
+                   lambda: allreduce_bound_graph(topo.usable_graph(), list(topo.ranks)))
+
+
 def min_rank_latency(topo):
     """Smallest rank-to-rank path latency of ``topo`` (s), cached per fingerprint."""
     return _cached((topo.fingerprint, "latency"),
                    lambda: min_rank_latency_graph(topo.usable_graph(), list(topo.ranks)))
 
 
-def _bandwidth_seconds(collective, nbytes, p, cut, root_rate):
-    """Shared by the graph and Topology forms; ``cut(reverse)`` and ``root_rate()`` compute lazily."""
+def _bandwidth_seconds(collective, nbytes, p, cut, root_rate, allreduce):
+    """Shared by the graph and Topology forms; ``cut(reverse)``, ``root_rate()`` and ``allreduce()``
+    compute lazily."""
     _check(collective)
     if p <= 1 or nbytes == 0:
         return 0.0
     if collective in ("broadcast", "reduce"):
         rate = root_rate()
         return 0.0 if math.isinf(rate) else (math.inf if rate == 0 else nbytes / rate)
-    spb = 0.0
-    if collective in ("allgather", "allreduce"):
-        spb += cut(False).seconds_per_byte
-    if collective in ("reduce_scatter", "allreduce"):
-        spb += cut(True).seconds_per_byte
-    return nbytes * spb
+    if collective == "allreduce":
+        return nbytes * allreduce().seconds_per_byte
+    return nbytes * cut(collective == "reduce_scatter").seconds_per_byte
 
 
 def _latency_seconds(collective, p, min_latency):
@@ -459,7 +586,8 @@ def bandwidth_bound_graph(graph, ranks, collective, nbytes, root=0):
         if reverse not in memo:
             memo[reverse] = _cut_for(graph, ranks, reverse)
         return memo[reverse]
-    return _bandwidth_seconds(collective, nbytes, len(ranks), cut, lambda: fn(graph, ranks, root)[0])
+    return _bandwidth_seconds(collective, nbytes, len(ranks), cut, lambda: fn(graph, ranks, root)[0],
+                              lambda: allreduce_bound_graph(graph, ranks))
 
 
 def latency_bound_graph(graph, ranks, collective):
@@ -479,12 +607,11 @@ def bandwidth_bound(topo, collective, nbytes, root=0):
 
     ``nbytes`` is the total buffer ``N``: allgather output / reduce-scatter input (each rank owns N/p),
     the allreduce buffer, the broadcast/reduce buffer. allgather:
-    ``N * cut_bound(topo).seconds_per_byte``; reduce_scatter: the same on the reversed graph (it is allgather with every transfer reversed and a reduction at
-    each receive; ForestColl uses this duality), identical on full-duplex fabrics. allreduce: their
-    sum, i.e. twice allgather's on full-duplex fabrics: the reduce-scatter + allgather decomposition
-    that ForestColl and our planners use; with uniform ranks it is the classic ``2(p-1)/p · N/B``
-    (Patarasuk & Yuan, 2009), which holds for any algorithm. broadcast / reduce: ``N`` over the rooted min cut
-    (Edmonds), ``root`` being a rank index.
+    ``N * cut_bound(topo).seconds_per_byte``; reduce_scatter: the same on the reversed graph (it is
+    allgather with every transfer reversed and a reduction at each receive; ForestColl uses this
+    duality), identical on full-duplex fabrics. allreduce: ``N * allreduce_bound(topo).seconds_per_byte``
+    (see :func:`allreduce_bound_graph`; with uniform ranks the classic ``2(p-1)/p · N/B``).
+    broadcast / reduce: ``N`` over the rooted min cut (Edmonds), ``root`` being a rank index.
     """
     _check_root(root, topo.nranks)
 
@@ -492,7 +619,8 @@ def bandwidth_bound(topo, collective, nbytes, root=0):
         fn = broadcast_bandwidth_graph if collective == "broadcast" else reduce_bandwidth_graph
         return _cached((topo.fingerprint, collective, root),
                        lambda: fn(topo.usable_graph(), list(topo.ranks), root))[0]
-    return _bandwidth_seconds(collective, nbytes, topo.nranks, lambda rev: cut_bound(topo, rev), root_rate)
+    return _bandwidth_seconds(collective, nbytes, topo.nranks, lambda rev: cut_bound(topo, rev), root_rate,
+                              lambda: allreduce_bound(topo))
 
 
 def latency_bound(topo, collective):

@@ -136,16 +136,20 @@ def test_dgx1_full_allreduce_busbw_150():
     assert cb.ranks_in_cut == 7 and cb.bandwidth_out == 150 * GB   # everyone but one GPU feeds it
 
 
-@pytest.mark.parametrize("members, expected", [
-    ([0, 1, 4, 5], 75),     # trees 75 GB/s (best NVLink ring 50)
-    ([0, 4, 6, 7], 50),     # trees 50 GB/s, no NVLink ring
-    ([0, 1, 2, 3, 7], 25),  # trees 25 GB/s: GPU 7 has one 25 GB/s link into the fragment
+@pytest.mark.parametrize("members, trees, allreduce", [
+    ([0, 1, 4, 5], 75, 87.5),     # trees 75 GB/s (best NVLink ring 50)
+    ([0, 4, 6, 7], 50, 75),       # trees 50 GB/s, no NVLink ring
+    ([0, 1, 2, 3, 7], 25, 40),    # trees 25 GB/s: GPU 7 has one 25 GB/s link into the fragment
 ])
-def test_dgx1_fragments(members, expected):
-    """busbw = algbw * 2(p-1)/p with p the fragment's own rank count; the cut bound equals the
-    DESIGN's tree figures, so those trees are optimal."""
+def test_dgx1_fragments(members, trees, allreduce):
+    """The DESIGN's tree figures are allgather (and reduce-scatter) trees: in bus bandwidth
+    ``algbw * (p-1)/p``, the cut bound equals them, so those trees are optimal for allgather. An
+    allreduce that overlaps its reduction with the broadcast of the result does better (Blink's
+    reduce-broadcast trees, see test_fragment_allreduce_beats_twice_the_allgather_bound)."""
     g, ranks = dgx1(members)
-    assert allreduce_busbw(g, ranks) == pytest.approx(expected * GB, rel=1e-9)
+    p = len(ranks)
+    assert busbw("allgather", N, bandwidth_bound_graph(g, ranks, "allgather", N), p) == pytest.approx(trees * GB)
+    assert allreduce_busbw(g, ranks) == pytest.approx(allreduce * GB, rel=1e-9)
     check_cut(g, ranks, cut_bound_graph(g, ranks))
 
 
@@ -206,8 +210,8 @@ def test_directed_graph_reduce_scatter_uses_reverse_cuts():
     assert cut_bound_graph(g, ranks).rate == 10 * GB
     assert bandwidth_bound_graph(g, ranks, "allgather", N) == pytest.approx(N / (3 * 10 * GB), rel=1e-12)
     assert bandwidth_bound_graph(g, ranks, "reduce_scatter", N) == pytest.approx(N / (3 * 5 * GB), rel=1e-12)
-    assert bandwidth_bound_graph(g, ranks, "allreduce", N) == pytest.approx(
-        N / (30 * GB) + N / (15 * GB), rel=1e-12)
+    # allreduce: each byte crosses between the three ranks 2(3-1) = 4 times, out of 30 GB/s in all
+    assert bandwidth_bound_graph(g, ranks, "allreduce", N) == pytest.approx(4 * N / (30 * GB), rel=1e-12)
     assert broadcast_bandwidth_graph(g, ranks)[0] == 10 * GB
     assert reduce_bandwidth_graph(g, ranks)[0] == 10 * GB   # each sender has 10 GB/s out
 
@@ -398,8 +402,9 @@ def test_wrappers_on_stand_in_topology():
     topo = StandIn(*dgx1())
     cb = cut_bound(topo)
     assert cut_bound(topo) is cb and cut_bound(topo, reverse=True) is cb   # cached; full duplex
-    calls = topo.calls
     t = bandwidth_bound(topo, "allreduce", N)
+    calls = topo.calls
+    assert bandwidth_bound(topo, "allreduce", 2 * N) == pytest.approx(2 * t)
     assert topo.calls == calls                                              # served from the cache
     assert busbw("allreduce", N, t, 8) == pytest.approx(150 * GB, rel=1e-9)
     assert bandwidth_bound(topo, "broadcast", N, root=2) == pytest.approx(N / (150 * GB))
@@ -446,7 +451,7 @@ def test_topology_dgx1_and_fragments():
     assert cut_bound(topo) is cut_bound(topo)
     assert latency_bound(topo, "allreduce") == pytest.approx(3e-6)
     # fragments: the GPUs left out are not ranks and cannot forward (usable_graph drops them)
-    for members, expected in (([0, 1, 4, 5], 75), ([0, 4, 6, 7], 50), ([0, 1, 2, 3, 7], 25)):
+    for members, expected in (([0, 1, 4, 5], 87.5), ([0, 4, 6, 7], 75), ([0, 1, 2, 3, 7], 40)):
         frag = topo.with_ranks([f"gpu{g}" for g in members])
         t = bandwidth_bound(frag, "allreduce", N)
         assert busbw("allreduce", N, t, len(members)) == pytest.approx(expected * GB, rel=1e-6)
@@ -467,3 +472,86 @@ def test_topology_hierarchy_three_tier():
     assert cb.seconds_per_byte == pytest.approx(cut_bound_graph(g, ranks).seconds_per_byte, rel=1e-12)
     assert latency_bound(topo, "allgather") == pytest.approx(8 * 2e-6)   # ceil(log2 192) = 8, GPU-host-GPU
     assert bandwidth_bound(topo, "broadcast", N) == pytest.approx(N / (12.5 * GB), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# allreduce: the partition bound is attained where twice the allgather bound is not a bound
+
+
+def reduce_broadcast_trees(p, trees, pieces):
+    """An allreduce schedule of Blink's kind: each ``(weight, root, parent)`` tree carries ``weight``
+    of the buffer in ``pieces`` chunks, reduced up to ``root`` and broadcast back down, pipelined."""
+    from ddl.schedule import ScheduleBuilder
+    pattern = [w for w, _, _ in trees for _ in range(pieces)]
+    b = ScheduleBuilder("allreduce", p, pattern, algorithm="reduce-broadcast-trees")
+    orders = []
+    for _w, root, parent in trees:
+        def depth(v):
+            return 0 if v == root else 1 + depth(parent[v])
+        orders.append(sorted(parent, key=depth))
+    for j in range(pieces):                  # piece by piece, so every tree makes progress at once
+        for t, (_w, _root, parent) in enumerate(trees):
+            c = t * pieces + j
+            for v in reversed(orders[t]):
+                b.transfer(v, parent[v], c, reduce=True)
+            for v in orders[t]:
+                b.transfer(parent[v], v, c)
+    return b.build()
+
+
+def test_fragment_allreduce_beats_twice_the_allgather_bound():
+    """DGX-1 GPUs {0,1,4,5} form the NVLink cycle 0-1-5-4-0 of 50, 25, 50, 50 GB/s. Four paths, each
+    the cycle less one edge, weighted 1, 4, 1, 1 (less 0-1, 1-5, 4-5, 0-4), load every edge in
+    proportion to its capacity: an allreduce at N / (58.3 GB/s), busbw 87.5 GB/s, where twice the
+    allgather bound claims busbw 75 at most. The partition bound (each GPU on its own) is exact."""
+    from ddl.simulate import simulate
+    from ddl.verify import verify
+    frag = _dgx1_topology().with_ranks([f"gpu{g}" for g in (0, 1, 4, 5)])    # ranks 0, 1, 2, 3
+    paths = {"0-1": (1, [1, 3, 2, 0]), "1-5": (4, [3, 2, 0, 1]), "4-5": (1, [2, 0, 1, 3]), "0-4": (1, [0, 1, 3, 2])}
+    trees = []
+    for weight, path in paths.values():
+        root = path[1]
+        parent = {path[0]: path[1], path[2]: path[1], path[3]: path[2]}
+        trees.append((weight, root, parent))
+    sched = reduce_broadcast_trees(4, trees, pieces=64)
+    verify(sched)
+    nbytes = 2**28
+    t = simulate(frag, sched, nbytes).seconds
+    bound = bandwidth_bound(frag, "allreduce", nbytes)
+    assert busbw("allreduce", nbytes, bound, 4) == pytest.approx(87.5 * GB, rel=1e-6)
+    assert bound <= t <= 1.05 * bound
+    twice_allgather = 2 * bandwidth_bound(frag, "allgather", nbytes)
+    assert t < 0.9 * twice_allgather
+
+
+def test_allreduce_bound_of_a_rank_behind_a_slow_link():
+    """One rank behind 1 GB/s, three behind 100 GB/s: it must upload and download N, which overlap,
+    so the bound is N/B (the min cut), not the 2(p-1)/p N/B a uniform star at 1 GB/s would need."""
+    g = nx.DiGraph()
+    for i, bw in enumerate([100, 1, 100, 100]):
+        link(g, f"gpu{i}", "sw", bw * GB)
+    ranks = [f"gpu{i}" for i in range(4)]
+    ab = bounds.allreduce_bound_graph(g, ranks)
+    assert ab.seconds_per_byte == pytest.approx(1 / (1 * GB), rel=1e-12)
+    assert ab.bandwidth / ab.crossings == 1 * GB
+    assert {"gpu1"} in [set(s) & set(ranks) for s in ab.groups]
+
+
+@pytest.mark.parametrize("r", [1, 4, 8, 16])
+def test_allreduce_partition_bound_on_fat_trees(r):
+    """Up to 4:1 the ranks' own 4 GB/s links limit (each rank a group: 2·15/16 N / 4 GB/s); past
+    it the leaves' uplinks (each leaf a group: 2·3 N / (4 · 2 · 16/r GB/s) per byte, both directions)."""
+    g, ranks = fat_tree(r)
+    ab = bounds.allreduce_bound_graph(g, ranks)
+    expected = max(2 * 15 / (16 * 4 * 16 * GB) * 16, 2 * 3 / (4 * 16 * GB / r)) if r > 4 else 2 * 15 / (16 * 4 * GB)
+    assert ab.seconds_per_byte == pytest.approx(expected, rel=1e-12)
+    assert len(ab.groups) == (16 if r <= 4 else 4)
+
+
+def test_allreduce_bound_degenerate_cases():
+    g, _ = star(3, 30 * GB)
+    assert bounds.allreduce_bound_graph(g, ["gpu0", "gpu0"]).seconds_per_byte == 0.0
+    # ranks sharing a vertex form one group: gpu0 (twice) and gpu1 gossip over 30 GB/s each way
+    assert bounds.allreduce_bound_graph(g, ["gpu0", "gpu0", "gpu1"]).seconds_per_byte == pytest.approx(1 / (30 * GB))
+    g.add_node("lonely")
+    assert math.isinf(bounds.allreduce_bound_graph(g, ["gpu0", "gpu1", "lonely"]).seconds_per_byte)

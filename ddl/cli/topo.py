@@ -9,12 +9,12 @@
   at its hop distance from the ranks (PCIe switches, hosts, NICs, leaf switches, spines); link width
   grows with the logarithm of the bandwidth and colour encodes it too.
 """
-import importlib
 import math
 import os
 import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 
+from .. import bounds
 from ..errors import Error
 from ..units import format_bandwidth
 
@@ -200,45 +200,32 @@ def describe(topo):
 
 
 def _cut_line(topo):
-    try:
-        bounds = importlib.import_module("ddl.bounds")
-    except ModuleNotFoundError as exc:
-        if exc.name != "ddl.bounds":
-            raise
-        return None
     if topo.nranks < 2:
         return ["limiting cut: none (a single rank)"]
     cb = bounds.cut_bound(topo)
-    spb = getattr(cb, "seconds_per_byte", None)
-    if spb is None:
-        spb = cb.time_per_byte
-    cut = getattr(cb, "cut", None)
-    if cut is None:
-        cut = cb.cut_vertices
-    inside = getattr(cb, "ranks_in_cut", None)
-    if inside is None:
-        inside = cb.ranks_inside
-    if not isinstance(inside, int):
-        inside = len(inside)
     p = topo.nranks
+    spb = cb.seconds_per_byte
     if spb <= 0 or math.isinf(spb):
         return [f"limiting cut: none found (allgather time per byte {spb})"]
     algbw = 1.0 / spb
-    rank_set = set(cut)
-    in_ranks = [i for i, v in enumerate(topo.ranks) if v in rank_set]
-    others = len(cut) - len(set(topo.ranks[i] for i in in_ranks))
+    in_ranks = [i for i, v in enumerate(topo.ranks) if v in cb.cut]
+    others = len(cb.cut) - len(set(topo.ranks[i] for i in in_ranks))
     outside = [i for i in range(p) if i not in set(in_ranks)]
     if len(outside) <= len(in_ranks):
         where = f"all ranks but {compact_ranges(outside)}"
     else:
         where = f"ranks {compact_ranges(in_ranks)}"
+    ab = bounds.allreduce_bound(topo)
+    groups = len(ab.groups)
+    why = ("the min cut: every byte crosses it each way" if ab.crossings == 1 else
+           f"{groups} groups of ranks, every byte crosses between them {ab.crossings} times")
     return [
-        f"limiting cut (ForestColl): S holds {inside} of {p} ranks ({where}; plus {others} other "
+        f"limiting cut (ForestColl): S holds {cb.ranks_in_cut} of {p} ranks ({where}; plus {others} other "
         f"vertices), {format_bandwidth(cb.bandwidth_out)} leaves S",
         f"  allgather / reduce-scatter algbw <= {format_bandwidth(algbw)} "
         f"(busbw <= {format_bandwidth(algbw * (p - 1) / p)})",
-        f"  allreduce (RS + AG) algbw <= {format_bandwidth(algbw / 2)} "
-        f"(busbw <= {format_bandwidth(algbw / 2 * 2 * (p - 1) / p)})",
+        f"  allreduce algbw <= {format_bandwidth(ab.algbw)} "
+        f"(busbw <= {format_bandwidth(ab.algbw * 2 * (p - 1) / p)}; {why})",
     ]
 
 
