@@ -7,8 +7,12 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
 
 * **Readiness.** An operation is *ready* when every operation in ``schedule.dependencies`` is complete.
 * **Transfers.** A send and its matched receive (``schedule.matches``) form one transfer of
-  ``chunk_fraction(c) * nbytes`` bytes. It starts as soon as the *send* is ready: executors post their
-  receives early into scratch space, so the sender never waits for the receiver.
+  ``chunk_fraction(c) * nbytes`` bytes. It starts as soon as the *send* is ready and no other message
+  from the same rank to the same peer is still leaving: executors post their receives early into
+  scratch space, so the sender never waits for the receiver, but the messages of one rank pair share
+  one connection and leave one after the other (MPI's non-overtaking order), the earliest in the
+  program first among those ready. This is what makes pipelines pipeline: chunk ``j`` moves on to the
+  next hop while chunk ``j+1`` crosses this one, instead of all chunks crawling side by side.
 * **Routes.** A transfer from rank ``s`` to ``d`` follows ``schedule.routes[(s, d)]`` (``(path, share)``
   pairs; shares are normalised to sum to 1) when the schedule pins it, else ``topo.routes(s, d)`` split
   evenly. Every path with a non-zero share is a separate *fluid flow* of ``share * bytes`` bytes over the
@@ -34,8 +38,9 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
 
 Why the prediction is never optimistic
 --------------------------------------
-The simulated execution is itself a feasible execution on the modelled fabric: at every instant the
-rates of the flows through a link sum to at most its capacity (progressive filling never hands out more
+The simulated execution is itself a feasible execution on the modelled fabric (serving one rank
+pair's messages in turn only removes freedom): at every instant the rates of the flows through a link
+sum to at most its capacity (progressive filling never hands out more
 than a link's residual capacity), every byte of every chunk is carried over every link of its route,
 and every message pays the full latency of its path after its last byte is sent, on top of the time its
 dependencies took. Nothing is ever done earlier than the dataflow allows; the only approximation,
@@ -475,6 +480,8 @@ class _Run:
         pair_bytes = {}
         ntransfers = 0
         send_route = [None] * n
+        send_pair = [None] * n         # send: index of its (source, destination) rank pair
+        pair_index = {}
         for g in range(n):
             if kind[g] == _SEND:
                 ntransfers += 1
@@ -482,7 +489,9 @@ class _Run:
                 r = route_of.get(key)
                 if r is None:
                     r = route_of[key] = fabric.route(*key)
+                    pair_index[key] = len(pair_index)
                 send_route[g] = r
+                send_pair[g] = pair_index[key]
                 if size[g] > 0:
                     pair_bytes[key] = pair_bytes.get(key, 0.0) + size[g]
         nranks = schedule.nranks
@@ -502,6 +511,11 @@ class _Run:
         arrivals = []                  # batches of transfers whose data arrives at the same time
         engine_busy = [False] * nranks
         engine_queue = [deque() for _ in range(nranks)]
+        # Messages between one pair of ranks go one at a time (MPI's non-overtaking order over one
+        # connection): ready sends wait in a heap per pair, earliest in the program first.
+        pair_busy = [False] * len(pair_index)
+        pair_wait = [[] for _ in range(len(pair_index))]
+        pair_dirty = set()             # pairs that may start a send now
 
         # Bundles: all active flows on one path get the same rate (max-min fairness is symmetric), so
         # they are served in virtual time: b_v[b] bytes per flow had been served at time b_t[b], at
@@ -554,30 +568,10 @@ class _Run:
                                     push_work(4 * d + landing_action[d])
                     continue
                 if action == READY:    # a send
-                    nbytes = size[g]
-                    if nbytes > 0:
-                        bundles, shares, _lat = send_route[g]
-                        paths_left[g] = len(bundles)
-                        for b, share in zip(bundles, shares):
-                            m = b_m[b]
-                            if m:
-                                rate = b_rate[b]
-                                v = b_v[b] = b_v[b] + rate * (now - b_t[b])
-                                for l in bundle_links[b]:
-                                    link_load[l] += rate
-                            else:
-                                v = b_v[b] = 0.0
-                                for l in bundle_links[b]:
-                                    link_bundles[l].add(b)
-                            b_t[b] = now
-                            b_m[b] = m + 1
-                            q = b_flows[b]
-                            item = (v + share * nbytes, g)
-                            if not q or q[-1] <= item:
-                                q.append(item)
-                            else:          # a shorter flow overtakes longer ones (rare)
-                                q.insert(bisect.bisect(q, item), item)
-                            changed.add(b)
+                    if size[g] > 0:
+                        pair = send_pair[g]
+                        heappush(pair_wait[pair], g)
+                        pair_dirty.add(pair)
                     else:              # executors skip empty chunks: nothing is sent
                         push_work(4 * g + DONE)
                         h = partner[g]
@@ -592,6 +586,36 @@ class _Run:
                 else:
                     engine_busy[r] = True
                     heappush(heap, (now + size[g] / reduce_bw[r], 2 * g + ENGINE))
+
+            # ---- pairs that are free start their earliest waiting send ----
+            for pair in pair_dirty:
+                if not pair_busy[pair] and pair_wait[pair]:
+                    pair_busy[pair] = True
+                    g = heappop(pair_wait[pair])
+                    nbytes = size[g]
+                    bundles, shares, _lat = send_route[g]
+                    paths_left[g] = len(bundles)
+                    for b, share in zip(bundles, shares):
+                        m = b_m[b]
+                        if m:
+                            rate = b_rate[b]
+                            v = b_v[b] = b_v[b] + rate * (now - b_t[b])
+                            for l in bundle_links[b]:
+                                link_load[l] += rate
+                        else:
+                            v = b_v[b] = 0.0
+                            for l in bundle_links[b]:
+                                link_bundles[l].add(b)
+                        b_t[b] = now
+                        b_m[b] = m + 1
+                        q = b_flows[b]
+                        item = (v + share * nbytes, g)
+                        if not q or q[-1] <= item:
+                            q.append(item)
+                        else:          # a shorter flow overtakes longer ones (rare)
+                            q.insert(bisect.bisect(q, item), item)
+                        changed.add(b)
+            pair_dirty.clear()
             makespan = now
 
             # ---- load changed: repair the max-min fair rates around the changes ----
@@ -689,6 +713,9 @@ class _Run:
                     paths_left[g] = left
                     if left:
                         continue
+                    pair = send_pair[g]
+                    pair_busy[pair] = False
+                    pair_dirty.add(pair)
                     latency = send_route[g][2]
                     if latency > 0:
                         batch = landing.get(latency)

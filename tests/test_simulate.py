@@ -62,15 +62,21 @@ def halving_doubling(p):
     b = ScheduleBuilder("allreduce", p, (1,) * p, algorithm="halving-doubling")
     lo, hi = [0] * p, [p] * p
     masks = [1 << k for k in reversed(range(p.bit_length() - 1))]
+    steps = []                                  # per step, per rank: (partner, kept range, given range)
     for m in masks:
-        new = []
+        steps.append([])
         for r in range(p):
             q, mid = r ^ m, (lo[r] + hi[r]) // 2
             keep, give = ((lo[r], mid), (mid, hi[r])) if r < q else ((mid, hi[r]), (lo[r], mid))
-            for c in range(*give):
+            steps[-1].append((q, keep, give))
+        lo, hi = [s[1][0] for s in steps[-1]], [s[1][1] for s in steps[-1]]
+    for i, step in enumerate(steps):
+        for r, (q, _keep, give) in enumerate(step):
+            # what the partner passes on soonest goes last (messages to one peer leave in order)
+            def passed_on(c):
+                return next((k for k in range(i + 1, len(steps)) if c in range(*steps[k][q][2])), len(steps))
+            for c in sorted(range(*give), key=passed_on, reverse=True):
                 b.transfer(r, q, c, reduce=True)
-            new.append(keep)
-        lo, hi = [k[0] for k in new], [k[1] for k in new]
     for m in reversed(masks):
         new = []
         for r in range(p):
@@ -110,12 +116,13 @@ def reference(topo, sched, nbytes):
     """A slow, obviously-faithful replay of the model: global max-min rates recomputed at every event.
 
     Ops are rescanned until nothing changes; every flow is a separate row of the rate computation;
-    no bundles, no incremental repair. Only for small cases.
+    no bundles, no incremental repair. Only for small cases. Messages of one rank pair go one at a
+    time: once nothing else can happen, every idle pair starts its ready send earliest in the program.
     """
     progs, deps, matches = sched.programs, sched.dependencies, sched.matches
     ops = [(r, i) for r in range(sched.nranks) for i in range(len(progs[r]))]
     size = {op: sched.chunk_fraction(progs[op[0]][op[1]].chunk) * nbytes for op in ops}
-    done, arrival, started, pending = {}, {}, set(), {}
+    done, arrival, started, pending, busy = {}, {}, set(), {}, set()
     flows, events = [], []
     engine_busy, engine_q = [False] * sched.nranks, [[] for _ in range(sched.nranks)]
     index, cap = {}, []
@@ -146,15 +153,10 @@ def reference(topo, sched, nbytes):
                     continue
                 kind = progs[r][i].kind
                 if kind == "send":
-                    started.add(op)
-                    progress = True
-                    peer = tuple(matches[r][i])
                     if size[op] == 0:
-                        arrival[peer] = done[op] = now
-                    else:
-                        ps, lat = paths(r, peer[0])
-                        pending[op] = [len(ps), lat]
-                        flows.extend({"links": ls, "rem": w * size[op], "send": op} for ls, w in ps)
+                        started.add(op)
+                        progress = True
+                        arrival[tuple(matches[r][i])] = done[op] = now
                 elif op in arrival:
                     started.add(op)
                     progress = True
@@ -168,6 +170,16 @@ def reference(topo, sched, nbytes):
                     engine_busy[r] = True
                     heapq.heappush(events, (now + size[op] / topo.reduce_bandwidth(r), "engine", op))
                     progress = True
+        for op in ops:
+            r, i = op
+            peer = tuple(matches[r][i])
+            if (progs[r][i].kind == "send" and op not in started and (r, peer[0]) not in busy
+                    and all((r, j) in done for j in deps[r][i])):
+                started.add(op)
+                busy.add((r, peer[0]))
+                ps, lat = paths(r, peer[0])
+                pending[op] = [len(ps), lat]
+                flows.extend({"links": ls, "rem": w * size[op], "send": op} for ls, w in ps)
         if not flows and not events:
             break
         if flows:
@@ -187,6 +199,7 @@ def reference(topo, sched, nbytes):
                 p = pending[f["send"]]
                 p[0] -= 1
                 if p[0] == 0:
+                    busy.discard((f["send"][0], matches[f["send"][0]][f["send"][1]][0]))
                     heapq.heappush(events, (now + p[1], "arrive", f["send"]))
             else:
                 keep.append(f)
@@ -218,13 +231,24 @@ def test_ring_allreduce_closed_form(p):
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16])
 def test_halving_doubling_closed_form(p):
+    """With one chunk per rank the closed form is exact up to p = 4. From p = 8 a halving step hands
+    on chunks that reached it one after the other (messages to one peer leave in order), so its first
+    message starts while the step before is still sending and shares the links with it: 19% slower
+    at p = 8 and 16. Cutting every segment into four chunks (as the library pipelines) recovers it."""
     B, lat, N = 10 * GB, 5 * US, 16e6
+    expected = 2 * math.log2(p) * 2 * lat + 2 * (p - 1) / p * N / B
     topo, sched = star(p, B, lat), halving_doubling(p)
     verify(sched)
     sim = simulate(topo, sched, N)
-    expected = 2 * math.log2(p) * 2 * lat + 2 * (p - 1) / p * N / B
-    assert abs(sim.seconds - expected) <= 0.01 * expected
-    assert close(sim.seconds, expected, 1e-7)
+    if p <= 4:
+        assert close(sim.seconds, expected, 1e-7)
+    else:
+        assert 1.1 * expected < sim.seconds < 1.25 * expected
+    if ALGORITHMS is not None:
+        from ddl.algorithms.halving_doubling import halving_doubling_schedule
+        sched = halving_doubling_schedule(range(p), "allreduce", k=4)
+        verify(sched)
+        assert expected * 0.98 <= simulate(topo, sched, N).seconds <= 1.03 * expected
 
 
 @pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
@@ -458,21 +482,6 @@ def cases(draw):
     return topo, collective, sched, nbytes
 
 
-def valid_bound(topo, collective, nbytes):
-    """ddl.bounds' lower bound, except for allreduce on uneven fabrics.
-
-    For allreduce ``lower_bound`` adds the reduce-scatter and allgather cut bounds, which is not a
-    lower bound when ranks differ (see test_allreduce_bound_is_not_a_bound_on_uneven_ranks). Each of
-    the two alone is: whatever crosses a cut in reduce-scatter or allgather, an allreduce must move too
-    (the ranks beyond the cut need a result that depends on all the data inside it).
-    """
-    bound = lower_bound(topo, collective, nbytes)
-    if collective != "allreduce":
-        return bound.seconds
-    parts = [lower_bound(topo, c, nbytes).bandwidth_seconds for c in ("allgather", "reduce_scatter")]
-    return max(parts + [bound.latency_seconds])
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_never_below_the_lower_bound_and_matches_reference(case):
@@ -480,7 +489,7 @@ def test_never_below_the_lower_bound_and_matches_reference(case):
     sim = simulate(topo, sched, nbytes)
     assert all(u <= 1 + 1e-9 for u in sim.link_utilisation.values())
     if lower_bound is not None:
-        assert sim.seconds >= valid_bound(topo, collective, nbytes) * (1 - 1e-9)
+        assert sim.seconds >= lower_bound(topo, collective, nbytes).seconds * (1 - 1e-9)
     if sched.nops <= 400:
         assert close(sim.seconds, reference(topo, sched, nbytes), 1e-6)
 
@@ -496,15 +505,14 @@ def test_never_below_the_lower_bound_on_uniform_stars(p, nbytes, bandwidth):
 
 
 @pytest.mark.skipif(lower_bound is None, reason="ddl.bounds not available")
-@pytest.mark.xfail(strict=True, reason="ddl.bounds: allreduce = reduce-scatter + allgather cut bound is not a "
-                                       "lower bound when ranks have different bandwidths")
-def test_allreduce_bound_is_not_a_bound_on_uneven_ranks():
+def test_allreduce_bound_holds_on_uneven_ranks():
     # g1 has a 1 GB/s link, the others 100 GB/s. g1 uploads its whole vector to g0, which reduces
-    # everything and sends the result back; with chunks of growing size the upload and the download of
-    # g1 overlap, so it takes about N/B, not the 2 (p-1)/p N/B = 1.5 N/B that lower_bound claims.
+    # everything and sends the result back; in 32 chunks, the upload and the download of
+    # g1 overlap, so it takes about N/B: twice the allgather cut bound (2 (p-1)/p N/B = 1.5 N/B) would
+    # not be a bound; the allreduce bound (N/B, the min cut) is, and nearly attained.
     p, N = 4, 16e6
     topo = star(p, uplinks=[100 * GB, 1 * GB, 100 * GB, 100 * GB])
-    pattern = tuple(i * i for i in range(1, 17))
+    pattern = (1,) * 32
     b = ScheduleBuilder("allreduce", p, pattern)
     for c in range(len(pattern)):
         for r in (1, 2, 3):
@@ -514,8 +522,10 @@ def test_allreduce_bound_is_not_a_bound_on_uneven_ranks():
     sched = b.build()
     verify(sched)
     sim = simulate(topo, sched, N)
-    assert sim.seconds >= valid_bound(topo, "allreduce", N)
-    assert sim.seconds >= lower_bound(topo, "allreduce", N).seconds * (1 - 1e-9)   # fails: 0.0238 < 0.024
+    bound = lower_bound(topo, "allreduce", N).seconds
+    assert bound == pytest.approx(N / (1 * GB), rel=1e-9)
+    assert bound <= sim.seconds <= 1.05 * bound
+    assert sim.seconds < 2 * lower_bound(topo, "allgather", N).seconds
 
 
 @pytest.mark.skipif(lower_bound is None, reason="ddl.bounds not available")
@@ -530,7 +540,7 @@ def test_zoo_algorithms_never_below_the_bound(name):
                 scheds.append(fn(topo, "allreduce", nbytes=N))
             except Exception:       # noqa: BLE001 - an algorithm that does not apply
                 pass
-    bound = valid_bound(topo, "allreduce", N)
+    bound = lower_bound(topo, "allreduce", N).seconds
     for s in scheds:
         sim = simulate(topo, s, N)
         assert sim.seconds >= bound * (1 - 1e-9), s.algorithm
@@ -562,4 +572,4 @@ def test_classic_schedules_at_every_size_on_a_star(p):
     for nbytes in (8, 1 << 20, 64 << 20, 256 << 20):
         for name in ("ring", "halving-doubling", "double-binary-tree", "hierarchical"):
             sim = simulate(topo, ALGORITHMS[name](topo, "allreduce", nbytes=nbytes), nbytes)
-            assert sim.seconds >= valid_bound(topo, "allreduce", nbytes) * (1 - 1e-9), (name, nbytes)
+            assert sim.seconds >= lower_bound(topo, "allreduce", nbytes).seconds * (1 - 1e-9), (name, nbytes)

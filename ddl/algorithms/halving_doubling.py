@@ -75,16 +75,23 @@ def halving_doubling_schedule(order, collective, k=1, algorithm=NAME, **info):
 
 def _halving(b, active, segments, bits):
     """Recursive halving: at bit ``x``, position ``j`` sends its partner ``j ^ x`` the segments of the
-    positions that agree with the partner on every bit done so far (including ``x``); they reduce."""
+    positions that agree with the partner on every bit done so far (including ``x``); they reduce.
+
+    Messages to one peer leave in program order, so the segments the partner keeps go first and those
+    it passes on soonest last: otherwise its next step would start early and slow the exchange still
+    under way (every rank's link is then shared by two steps and idles at the end)."""
     m, done = len(active), 0
-    for x in bits:
+    for i, x in enumerate(bits):
         done |= x
         for j in range(m):
             q = j ^ x
-            for s in range(m):
-                if (s ^ q) & done == 0:
-                    for c in segments[s]:
-                        b.transfer(active[j], active[q], c, reduce=True)
+
+            def passed_on(s):          # index of the bit at which q hands segment s on
+                return next((k for k in range(i + 1, len(bits)) if (s ^ q) & bits[k]), len(bits))
+            mine = [s for s in range(m) if (s ^ q) & done == 0]
+            for s in sorted(mine, key=passed_on, reverse=True):
+                for c in segments[s]:
+                    b.transfer(active[j], active[q], c, reduce=True)
 
 
 def _doubling(b, active, segments, bits):
