@@ -8,7 +8,8 @@ also reports the lower bound, so every choice comes with its distance from the o
 Schedules depend on the message size only through the choice of algorithm and its pipelining depth, so
 plans are cached by *size class* (the power of two at or above ``nbytes``): in memory per
 :class:`Planner`, and on disk under ``$DDL_CACHE_DIR`` (default ``~/.cache/ddl``) keyed by the topology
-fingerprint, so a training step never plans twice and a restarted job starts with its plans.
+fingerprint and the planner's revision, so a training step never plans twice, a restarted job starts
+with its plans, and plans chosen by an older cost model are not reused.
 """
 import json
 import os
@@ -19,6 +20,8 @@ from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule
 
 AUTO = "auto"
+# Bump when the cost model or an algorithm changes which schedule a size class gets.
+PLANNER_REVISION = 2
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Planner:
         if use_disk_cache is None:
             use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "1") != "0"
         base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
-        self.cache_dir = Path(base) / "plans" / topo.fingerprint[:16] if use_disk_cache else None
+        self.cache_dir = Path(base) / f"plans-r{PLANNER_REVISION}" / topo.fingerprint[:16] if use_disk_cache else None
         self._schedules = {}
 
     # ---- schedules (the hot path for executors) ---------------------------------------------------
