@@ -39,12 +39,11 @@ Pipelining: when trees are deeper than 1 or the collective reduces, every piece 
 sub-chunks so that each tree carries ``MIN_PIPELINE`` (8) of them, more (up to ``MAX_PIPELINE``, 32)
 when the LP's time for the buffer allows steps of ``PIPELINE_STEP_SECONDS`` (10 ms) each, each
 sub-chunk >= 256 KiB (``nbytes`` defaults to 256 MiB), at most ``MAX_TRANSFERS`` transfers in all.
-Deeper pipelines drain faster (the two-rack emulated cluster: 1.12x the bound instead of 1.19x) but
-every message costs the executor time that the model does not count: on a fast fabric 32 sub-chunks
-made a 64 MiB host allreduce 2-3x slower than 8, so depth grows only where each step is long.
-Sub-chunk sizes grow like ``H_m - H_(m-j-1)`` (harmonic numbers): when every sub-chunk of a piece
-is ready at once and links are shared fairly, they then complete at even intervals, so relays and reductions start early
-instead of all at the end. Programs list transfers by pipeline step, then piece, then block, in
+Deeper pipelines drain faster but every message costs the executor time that the model does not
+count: on a fast fabric 32 sub-chunks made a 64 MiB host allreduce 2-3x slower than 8, so depth grows
+only where each step is long. Sub-chunks of a piece are equal (a rank pair's messages leave one after
+the other, so each hop of a tree works on one sub-chunk while the next hop forwards the one before).
+Programs list transfers by pipeline step, then piece, then block, in
 breadth-first order (leaves first for reductions), so an executor that serves a peer in program
 order pipelines as well. ``Schedule.routes`` pins the physical paths the LP chose (byte shares per
 rank pair), so the simulator and executors load the links the LP planned.
@@ -356,20 +355,9 @@ def _pipeline(pieces, smallest, target, block_bytes, nblocks, max_chunks):
     return split
 
 
-SPLIT = "harmonic"
-
-
 def _split(width, m):
-    """``width`` cut into ``m`` positive integers: equal, or (SPLIT == "harmonic") growing like
-    H_m - H_(m-j-1), so that under fair sharing of a link they complete at even intervals."""
-    if SPLIT == "harmonic" and m > 1:
-        h = [sum(1.0 / i for i in range(1, k + 1)) for k in range(m + 1)]
-        raw = [(h[m] - h[m - j - 1]) for j in range(m)]
-        tot = sum(raw)
-        parts = [max(1, int(width * x / tot)) for x in raw]
-        parts[-1] += width - sum(parts)
-        if parts[-1] > 0:
-            return parts
+    """``width`` cut into ``m`` positive integers, as equal as they can be: messages of one rank pair
+    leave one after the other, so equal sub-chunks keep every hop of a tree busy in turn."""
     base, extra = divmod(width, m)
     return [base + (1 if j < extra else 0) for j in range(m)]
 
