@@ -22,11 +22,15 @@ Execution rules
   first op on its chunk directly into its destination; every ``reduce``, and a ``recv`` that must
   wait for earlier ops on its chunk, into a scratch slot (the reduction is then
   ``ufunc(local, scratch, out=local)``: no temporary). For chunks larger than ``early_limit`` bytes
-  (default 256 KiB, env ``DDL_EARLY_LIMIT``) receives that have dependencies are posted only when
-  those complete, a ``recv`` then directly into place (large messages use MPI's rendezvous protocol,
-  so posting late costs no extra copy, while an early scratch receive would cost one). Either way the
-  receives of one chunk from one peer are posted in program order, which with MPI's non-overtaking
-  rule pairs the k-th send with the k-th receive exactly as ``schedule.matches`` says.
+  (default 256 KiB, env ``DDL_EARLY_LIMIT``) a ``recv`` that has dependencies is posted only when they
+  complete, directly into place (large messages use MPI's rendezvous protocol, so posting late costs
+  no extra copy, while an early scratch receive would cost one). A ``reduce`` is always posted early:
+  its scratch slot costs no copy, and a sender whose rendezvous finds the receive posted streams while
+  the receiver is still busy with the chunk (a tree node reducing from several children receives
+  from all of them at once, as the cost model assumes). Either way the receives of one chunk from one
+  peer are posted in program order (a reduce behind a late receive from the same peer waits too),
+  which with MPI's non-overtaking rule pairs the k-th send with the k-th receive exactly as
+  ``schedule.matches`` says.
 * Sends are issued as soon as their dependencies complete, straight from the buffer (no copy).
 * Reductions of a chunk happen in program order (each waits for the previous write to its chunk), so
   the reduction order -- hence every bit of the result -- is a fixed function of the schedule.
@@ -155,6 +159,7 @@ class CompiledPlan:
         new_index = {old: k for k, old in enumerate(keep)}
         written = [False] * nchunks
         ops, need0, dependents, early, orig = [], [], [[] for _ in keep], [], []
+        late_from = set()  # (chunk, peer) of receives posted late
         scratch = 0
         for k, i in enumerate(keep):
             kind, c, peer = program[i]
@@ -182,8 +187,13 @@ class CompiledPlan:
                 small = ln * isz <= early_limit
                 if kind == RECV:
                     code = C_RECV_DIRECT if nd == 0 else (C_RECV_SCRATCH if small else C_RECV_LATE)
+                    if code == C_RECV_LATE:
+                        late_from.add((c, peer))
                 else:
-                    code = C_REDUCE_EARLY if (nd == 0 or small) else C_REDUCE_LATE
+                    # early even when large: its scratch costs no copy, and the sender can stream
+                    # while this rank is still busy with the chunk (late only behind a late receive
+                    # from the same peer, whose message must match first)
+                    code = C_REDUCE_LATE if (c, peer) in late_from else C_REDUCE_EARLY
                 if code in (C_RECV_SCRATCH, C_REDUCE_EARLY, C_REDUCE_LATE):
                     scr = (scratch, scratch + ln)
                     scratch += ln

@@ -9,8 +9,8 @@ import pytest
 import ddl
 from ddl.agreement import Signature, describe, format_ranks, mismatch_error
 from ddl.buffers import IN_PLACE, is_in_place, parse_buffer, resolve_dtype
-from ddl.executor import (C_RECV_DIRECT, C_RECV_LATE, C_RECV_SCRATCH, C_REDUCE_EARLY, C_SEND, CompiledPlan,
-                          TagSpace)
+from ddl.executor import (C_RECV_DIRECT, C_RECV_LATE, C_RECV_SCRATCH, C_REDUCE_EARLY, C_REDUCE_LATE, C_SEND,
+                          CompiledPlan, TagSpace)
 from ddl.ops import check_op_dtype, resolve_op
 from ddl.schedule import ScheduleBuilder
 
@@ -130,9 +130,21 @@ def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
     # the first send of rank 0 reads sendbuf (buffer 0); later sends read recvbuf (buffer 1)
     first_send = next(o for o in plan.ops if o[0] == C_SEND)
     assert first_send[3] == 0
-    # large chunks: receives with dependencies are posted late, straight into place
+    # large chunks: copies with dependencies are posted late, straight into place; reductions stay
+    # early (their scratch costs no copy, and the sender streams while the receiver is busy)
     big = CompiledPlan(s, 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add, early_limit=16)
     assert C_RECV_LATE in [o[0] for o in big.ops]
+    assert [o[0] for o in big.ops].count(C_REDUCE_EARLY) == 2
+    # ... except a reduction behind a late receive of the same chunk from the same peer: MPI must match
+    # the receive first, so the reduction is posted after it
+    b = ScheduleBuilder("allreduce", 2, (1,))
+    b.transfer(0, 1, 0)
+    b.transfer(1, 0, 0)
+    b.transfer(1, 0, 0, reduce=True)
+    odd = CompiledPlan(b.build(), 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add, early_limit=16)
+    assert [o[0] for o in odd.ops] == [C_SEND, C_RECV_LATE, C_REDUCE_LATE]
+    odd = CompiledPlan(b.build(), 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add)
+    assert [o[0] for o in odd.ops] == [C_SEND, C_RECV_SCRATCH, C_REDUCE_EARLY]
     # 2 elements over 3 chunks: one chunk is empty and its ops are dropped on every rank
     tiny = [CompiledPlan(s, r, 2, np.dtype(np.float32), "allreduce", ufunc=np.add) for r in range(3)]
     assert all(t.nops < plan.nops for t in tiny)
