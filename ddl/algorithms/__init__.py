@@ -11,6 +11,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives;
 * ``tree-packing`` -- ForestColl's optimal packing of spanning trees (Blink-style few, shallow trees);
   all four collectives, up to 64 ranks;
+* ``reduce-broadcast-trees`` -- Blink's packing of spanning trees, each reducing to its centre and
+  broadcasting back (both directions of every link at work); allreduce, up to 64 ranks;
 * ``multicommodity-flow`` -- the best base schedule with its transfers routed by a min-cost
   multi-commodity flow LP over every physical path (IBM DDL, TE-CCL).
 
@@ -20,6 +22,7 @@ from .double_binary_tree import dbt_schedule, double_binary_tree
 from .halving_doubling import halving_doubling, halving_doubling_schedule
 from .hierarchical import hierarchical, hierarchical_schedule
 from .multicommodity_flow import multicommodity_flow
+from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
 from .tree_packing import tree_packing
 
@@ -29,9 +32,10 @@ ALGORITHMS = {
     "double-binary-tree": double_binary_tree,
     "hierarchical": hierarchical,
     "tree-packing": tree_packing,
+    "reduce-broadcast-trees": reduce_broadcast_trees,
     "multicommodity-flow": multicommodity_flow,
 }
 
-__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow", "tree_packing",
-           "ring_order",
+__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow",
+           "tree_packing", "reduce_broadcast_trees", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]
