@@ -11,6 +11,7 @@ plans are cached by *size class* (the power of two at or above ``nbytes``): in m
 fingerprint and the planner's revision, so a training step never plans twice, a restarted job starts
 with its plans, and plans chosen by an older cost model are not reused.
 """
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -20,8 +21,9 @@ from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule
 
 AUTO = "auto"
-# Bump when the cost model or an algorithm changes which schedule a size class gets.
-PLANNER_REVISION = 2
+# Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
+# registered algorithms is part of the cache key anyway).
+PLANNER_REVISION = 3
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,12 @@ def size_class(nbytes):
     return 1 << max(0, int(nbytes) - 1).bit_length()
 
 
+def _cache_generation():
+    """Folder name of this planner's plans: its revision and the algorithms it chooses among."""
+    names = ",".join(algorithm_names())
+    return f"plans-r{PLANNER_REVISION}-{hashlib.sha256(names.encode()).hexdigest()[:8]}"
+
+
 def algorithm_names():
     from .algorithms import ALGORITHMS
 
@@ -76,7 +84,7 @@ class Planner:
         if use_disk_cache is None:
             use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "1") != "0"
         base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
-        self.cache_dir = Path(base) / f"plans-r{PLANNER_REVISION}" / topo.fingerprint[:16] if use_disk_cache else None
+        self.cache_dir = Path(base) / _cache_generation() / topo.fingerprint[:16] if use_disk_cache else None
         self._schedules = {}
 
     # ---- schedules (the hot path for executors) ---------------------------------------------------
