@@ -54,6 +54,7 @@ import numpy as np
 
 from .agreement import CHECK_MODES, Signature, digest62, format_ranks
 from .buffers import IN_PLACE, is_in_place, parse_buffer
+from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError
 from .executor import CompiledPlan, Engine, Execution, _env_float
 from .ops import SUM, check_op_dtype, finish_average, resolve_op
@@ -225,6 +226,8 @@ class Communicator:
         self._schedule_digests = {}
         self._seen = set()
         self._args = {}  # recent Allreduce arguments -> parsed (see _allreduce_start)
+        self._device = None  # the device executor, created by the first collective on GPU buffers
+        self.last_path = None  # "host", or the device path that ran last ("nccl", ...; see ddl.gpu)
 
     # ---- setup ----------------------------------------------------------------------------------
     @staticmethod
@@ -481,33 +484,78 @@ class Communicator:
         b = parse_buffer(buf, "buf", writable=True)
         return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size)
 
+    # ---- device buffers ----------------------------------------------------------------------------
+    def _device_for(self, *bufs):
+        """The device executor when a buffer lives on a GPU (CuPy, torch CUDA, anything with
+        ``__cuda_array_interface__`` or DLPack), else None. Created on first use; creating it is
+        collective, so every rank must pass device buffers to the same call."""
+        if type(bufs[-1]) is np.ndarray:   # the host path's hot case, decided by the output buffer
+            self.last_path = "host"
+            return None
+        for buf in bufs:
+            if buf is not None and not is_in_place(buf) and is_device_buffer(buf):
+                if self._freed:
+                    raise Error("this ddl.Communicator was freed")
+                if self._device is None:
+                    from .gpu.executor import NcclExecutor
+                    self._device = NcclExecutor(self)
+                return self._device
+        self.last_path = "host"
+        return None
+
     # ---- mpi4py-style API --------------------------------------------------------------------------
-    def Allreduce(self, sendbuf, recvbuf, op=SUM):
+    # Device buffers go to the device executor (NCCL, CUDA-aware MPI or host staging: ``last_path``),
+    # on ``stream`` when given, else on CuPy's current stream; host buffers ignore ``stream``.
+    def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         """``recvbuf = op(sendbuf of every rank)``; ``sendbuf`` may be ``ddl.IN_PLACE``."""
+        dev = self._device_for(sendbuf, recvbuf)
+        if dev is not None:
+            return dev.Allreduce(sendbuf, recvbuf, op=op, stream=stream)
         self._engine.wait(self._allreduce_start(sendbuf, recvbuf, op))
 
-    def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+    def Iallreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
+        dev = self._device_for(sendbuf, recvbuf)
+        if dev is not None:
+            return dev.Iallreduce(sendbuf, recvbuf, op=op, stream=stream)
         return Request(self._allreduce_start(sendbuf, recvbuf, op), self._engine)
 
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Rank r gets block r (``n`` elements) of ``op`` over every rank's ``sendbuf`` (``size*n``)."""
+        dev = self._device_for(sendbuf, recvbuf)
+        if dev is not None:
+            return dev.Reduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
         self._engine.wait(self._reduce_scatter_start(sendbuf, recvbuf, op))
 
-    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
+        dev = self._device_for(sendbuf, recvbuf)
+        if dev is not None:
+            return dev.Ireduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
         return Request(self._reduce_scatter_start(sendbuf, recvbuf, op), self._engine)
 
-    def Allgather(self, sendbuf, recvbuf):
+    def Allgather(self, sendbuf, recvbuf, stream=None):
         """Block r of ``recvbuf`` (``size*n`` elements) gets rank r's ``sendbuf`` (``n``)."""
+        dev = self._device_for(sendbuf, recvbuf)
+        if dev is not None:
+            return dev.Allgather(sendbuf, recvbuf, stream=stream)
         self._engine.wait(self._allgather_start(sendbuf, recvbuf))
 
-    def Iallgather(self, sendbuf, recvbuf):
+    def Iallgather(self, sendbuf, recvbuf, stream=None):
+        dev = self._device_for(sendbuf, recvbuf)
+        if dev is not None:
+            return dev.Iallgather(sendbuf, recvbuf, stream=stream)
         return Request(self._allgather_start(sendbuf, recvbuf), self._engine)
 
-    def Bcast(self, buf, root=0):
+    def Bcast(self, buf, root=0, stream=None):
         """Every rank's ``buf`` gets ``root``'s."""
+        dev = self._device_for(buf)
+        if dev is not None:
+            return dev.Bcast(buf, root=root, stream=stream)
         self._engine.wait(self._bcast_start(buf, root))
 
-    def Ibcast(self, buf, root=0):
+    def Ibcast(self, buf, root=0, stream=None):
+        dev = self._device_for(buf)
+        if dev is not None:
+            return dev.Ibcast(buf, root=root, stream=stream)
         return Request(self._bcast_start(buf, root), self._engine)
 
     def Barrier(self):
@@ -577,6 +625,8 @@ class Communicator:
             return
         for ex in list(self._engine.inflight.values()):
             self._engine.wait(ex)
+        if self._device is not None:
+            self._device.Free()
         self._freed = True
         self._engine.close()
         self._plans.clear()
