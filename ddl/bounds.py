@@ -350,22 +350,15 @@ def _partition_bound(net, rank_idx):
     return best
 
 
-def _min_rank_cut(graph, net, rank_vertices):
-    """Smallest capacity of a cut with rank vertices on both sides, in either direction, and its
-    source side: ``min over v of maxflow(u0, v), maxflow(v, u0)`` for a fixed rank vertex ``u0``."""
-    q, _exact = _integer_capacities(net.cap, 1)
-    u0 = rank_vertices[0]
-    forward = net.matrix(q)
-    best = (math.inf, frozenset())
-    for v in _twin_representatives(graph, rank_vertices, exclude={u0}):
-        for a, b in ((u0, v), (v, u0)):
-            s, t = net.index[a], net.index[b]
-            res = maximum_flow(forward, s, t)
-            mask = net.source_side(forward, res, s)
-            cap = net.cut_capacity(mask)
-            if cap < best[0]:
-                best = (cap, frozenset(net.vertices[i] for i in np.flatnonzero(mask)))
-    return best
+def _min_rank_cut(graph, ranks):
+    """Smallest capacity of a cut with ranks on both sides, in either direction, and the side it
+    leaves. Any such cut separates rank 0 from some rank, one way or the other, so it is the smaller
+    of rank 0's broadcast and reduce min cuts (Edmonds, below)."""
+    out_rate, out_side = broadcast_bandwidth_graph(graph, ranks, 0)
+    in_rate, in_side = reduce_bandwidth_graph(graph, ranks, 0)
+    if out_rate <= in_rate:
+        return out_rate, out_side
+    return in_rate, frozenset(graph.nodes) - in_side   # in_side holds rank 0 and the cut enters it
 
 
 def allreduce_bound_graph(graph, ranks):
@@ -397,7 +390,7 @@ def allreduce_bound_graph(graph, ranks):
     net = _Network(graph)
     rank_idx = np.array([net.index[v] for v in rank_vertices])
     spb, groups, bandwidth, crossings = _partition_bound(net, rank_idx)
-    cut_cap, side = _min_rank_cut(graph, net, rank_vertices)
+    cut_cap, side = _min_rank_cut(graph, ranks)
     if cut_cap == 0 or 1.0 / cut_cap > spb:
         rest = frozenset(net.vertices) - side
         spb = math.inf if cut_cap == 0 else 1.0 / cut_cap
