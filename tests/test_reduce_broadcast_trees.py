@@ -55,7 +55,7 @@ def test_dgx1_fragment_reaches_the_partition_bound(monkeypatch):
     assert busbw("allreduce", N, N * sched.info["seconds_per_byte"], 4) == pytest.approx(87.5 * GB, rel=1e-6)
     twice_allgather = 2 * bandwidth_bound(topo, "allgather", N)
     assert bound <= t < 0.97 * twice_allgather
-    monkeypatch.setattr(rbt, "MIN_PIPELINE", 32)
+    monkeypatch.setattr(importlib.import_module("ddl.algorithms.tree_packing"), "MIN_PIPELINE", 32)
     sched, t, bound = planned(topo)
     assert bound <= t <= 1.05 * bound
 

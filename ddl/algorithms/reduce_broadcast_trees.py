@@ -28,8 +28,6 @@ Collectives: allreduce only, up to :data:`MAX_RANKS` ranks.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import csr_array
@@ -38,8 +36,7 @@ from scipy.sparse.csgraph import breadth_first_order, minimum_spanning_tree
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
 from .ring import check_request
-from .tree_packing import (DEFAULT_NBYTES, MAX_PIPELINE, MAX_TRANSFERS, MIN_CHUNK_BYTES, MIN_PIPELINE,
-                           PIPELINE_STEP_SECONDS)
+from .tree_packing import DEFAULT_NBYTES, MAX_TRANSFERS, MIN_CHUNK_BYTES, pipeline_target
 
 NAME = "reduce-broadcast-trees"
 MAX_RANKS = 64
@@ -123,7 +120,8 @@ def pack_trees(topo):
 
 
 def _rooted(p, tree):
-    """``(root, parent, order)``: the tree rooted at its centre; ``order`` lists ranks by depth."""
+    """``(root, parent, order, depth)``: the tree rooted at its centre (least depth); ``order`` lists
+    the ranks by depth."""
     rows = [u for u, v in tree] + [v for u, v in tree]
     cols = [v for u, v in tree] + [u for u, v in tree]
     adj = csr_array((np.ones(len(rows)), (rows, cols)), shape=(p, p))
@@ -151,7 +149,7 @@ def reduce_broadcast_trees(topo, collective, *, root=0, nbytes=None):
     rooted = [_rooted(p, t) for t in trees]
     depth = max(d for *_, d in rooted)
     nbytes = DEFAULT_NBYTES if nbytes is None else max(int(nbytes), 1)
-    target = min(MAX_PIPELINE, max(MIN_PIPELINE, int(nbytes / rate / PIPELINE_STEP_SECONDS)))
+    target = pipeline_target(nbytes / rate)
     # pieces of (about) one size for every tree, as many per tree as its share asks for: links are
     # shared fairly among the messages on them, so equal messages share them as the LP planned
     total = max(len(trees), min(target * len(trees), MAX_TRANSFERS // (2 * (p - 1)),
@@ -170,5 +168,5 @@ def reduce_broadcast_trees(topo, collective, *, root=0, nbytes=None):
             b.transfer(v, parent[v], chunk, reduce=True)
         for v in order[1:]:
             b.transfer(parent[v], v, chunk)
-    return b.build(trees=len(trees), depth=depth, pipeline=target, pieces=sum(pieces), tree_pieces=pieces, seconds_per_byte=1.0 / rate,
-                   tree_weights=[round(w / rate, 6) for w in weights])
+    return b.build(trees=len(trees), depth=depth, pipeline=target, pieces=sum(pieces), tree_pieces=pieces,
+                   seconds_per_byte=1.0 / rate, tree_weights=[round(w / rate, 6) for w in weights])

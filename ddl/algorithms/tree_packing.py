@@ -284,7 +284,7 @@ def tree_packing(topo, collective, *, root=0, nbytes=None):
     depth = max(f.depth for f in forests)
     per = p if collective != "broadcast" else 1
     seconds = sum(f.seconds_per_byte for f in forests) / per * nbytes   # the LP's time for the buffer
-    target = min(MAX_PIPELINE, max(MIN_PIPELINE, int(seconds / PIPELINE_STEP_SECONDS)))
+    target = pipeline_target(seconds)
     target = target if depth > 1 or collective in ("allreduce", "reduce_scatter") else 1
     max_chunks = MAX_TRANSFERS // ((p - 1) * len(forests))
     split = _pipeline(pieces, smallest, target, block_bytes, len(blocks), max_chunks)
@@ -338,6 +338,12 @@ def tree_packing(topo, collective, *, root=0, nbytes=None):
         symmetry_classes=forests[-1].orbits,
         lp_iterations=[f.iterations for f in forests],
     )
+
+
+def pipeline_target(seconds):
+    """Sub-chunks per tree for a collective the LP says takes ``seconds``: MIN_PIPELINE, more (up to
+    MAX_PIPELINE) while each pipeline step still lasts PIPELINE_STEP_SECONDS."""
+    return min(MAX_PIPELINE, max(MIN_PIPELINE, int(seconds / PIPELINE_STEP_SECONDS)))
 
 
 def _pipeline(pieces, smallest, target, block_bytes, nblocks, max_chunks):
