@@ -9,26 +9,16 @@ from ddl.errors import PlanError
 from ddl.simulate import simulate
 from ddl.topology import Topology
 from ddl.verify import verify
+from test_bounds import _dgx1_topology
 
 rbt = importlib.import_module("ddl.algorithms.reduce_broadcast_trees")
 GB = 1e9
 N = 256 << 20
 
-DGX1_DOUBLE = [(0, 1), (0, 4), (1, 3), (2, 3), (2, 6), (4, 5), (5, 7), (6, 7)]
-DGX1_SINGLE = [(0, 2), (0, 3), (1, 2), (1, 5), (3, 7), (4, 6), (4, 7), (5, 6)]
-
 
 def dgx1_fragment(members):
-    """DGX-1 NVLink among ``members`` only (the other GPUs cannot forward). A Topology needs every rank
-    pair connected without GPU forwarding, so the GPUs also hang off a token 1 kB/s PCIe switch."""
-    links = [{"a": f"gpu{a}", "b": f"gpu{b}", "bandwidth": "25 GB/s", "count": n}
-             for pairs, n in ((DGX1_DOUBLE, 2), (DGX1_SINGLE, 1)) for a, b in pairs
-             if a in members and b in members]
-    links += [{"a": f"gpu{g}", "b": "pcie", "bandwidth": "1 kB/s"} for g in members]
-    return Topology.from_dict({"name": "dgx1-fragment", "defaults": {"latency": "1 us"},
-                               "nodes": [{"id": f"gpu{g}", "kind": "gpu"} for g in members]
-                               + [{"id": "pcie", "kind": "pcie"}],
-                               "links": links, "ranks": [f"gpu{g}" for g in members]})
+    """DGX-1 NVLink among ``members`` only (the other GPUs cannot forward)."""
+    return _dgx1_topology().with_ranks([f"gpu{g}" for g in members])
 
 
 def star(bandwidths):
