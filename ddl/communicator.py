@@ -489,17 +489,15 @@ class Communicator:
         """The device executor when a buffer lives on a GPU (CuPy, torch CUDA, anything with
         ``__cuda_array_interface__`` or DLPack), else None. Created on first use; creating it is
         collective, so every rank must pass device buffers to the same call."""
-        if type(bufs[-1]) is np.ndarray:   # the host path's hot case, decided by the output buffer
-            self.last_path = "host"
-            return None
-        for buf in bufs:
-            if buf is not None and not is_in_place(buf) and is_device_buffer(buf):
-                if self._freed:
-                    raise Error("this ddl.Communicator was freed")
-                if self._device is None:
-                    from .gpu.executor import NcclExecutor
-                    self._device = NcclExecutor(self)
-                return self._device
+        if type(bufs[-1]) is not np.ndarray:   # a numpy output buffer is the host path's hot case
+            for buf in bufs:
+                if buf is not None and not is_in_place(buf) and is_device_buffer(buf):
+                    if self._freed:
+                        raise Error("this ddl.Communicator was freed")
+                    if self._device is None:
+                        from .gpu.executor import NcclExecutor
+                        self._device = NcclExecutor(self)
+                    return self._device
         self.last_path = "host"
         return None
 
