@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
-                            ring_order, ring_schedule)
+                            recursive_doubling_schedule, ring_order, ring_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import stage_partitions
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
@@ -17,6 +17,7 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SUPPORTS = {
     "ring": COLLECTIVES,
     "halving-doubling": ("allreduce", "reduce_scatter", "allgather"),
+    "recursive-doubling": ("allreduce",),
     "double-binary-tree": ("allreduce", "broadcast"),
     "hierarchical": COLLECTIVES,
     "tree-packing": COLLECTIVES,
@@ -37,6 +38,8 @@ def flat(name, p, collective, k=1, root=0, order=None):
         return ring_schedule(order, collective, k, root)
     if name == "halving-doubling":
         return halving_doubling_schedule(order, collective, k)
+    if name == "recursive-doubling":
+        return recursive_doubling_schedule(order, collective, k)
     if name == "double-binary-tree":
         return dbt_schedule(order, collective, k, root)
     if name in ("tree-packing", "reduce-broadcast-trees", "multicommodity-flow"):
@@ -263,6 +266,45 @@ def test_hierarchical_unequal_groups():
     assert [len(s) for s in stage_partitions(9, parts)] == [3, 1]
     with pytest.raises(PlanError, match="not nested"):
         stage_partitions(4, [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])
+
+
+# ---- recursive doubling -------------------------------------------------------------------------
+@pytest.mark.parametrize("p,rounds", [(1, 0), (2, 1), (8, 3), (6, 2 + 2), (12, 3 + 2)])
+def test_recursive_doubling_takes_log2_rounds(p, rounds):
+    """Every rank of the power-of-two core swaps whole vectors log2(m) times; folded ranks add one
+    round before and one after. A rank never has more operations than two per round."""
+    sched = recursive_doubling_schedule(list(range(p)))
+    m = 1 << (p.bit_length() - 1)
+    core = rounds - (2 if p > m else 0)
+    for r, prog in enumerate(sched.programs):
+        sends = sum(op.kind == "send" for op in prog)
+        assert sends <= core + 1
+        assert len(prog) <= 2 * rounds
+    assert max(len(prog) for prog in sched.programs) == (2 * core + (2 if p > m else 0))
+    verify(sched)
+
+
+def test_recursive_doubling_starts_inside_the_fastest_tier():
+    topo = three_tier()                # 4 GPUs x 4 hosts x 2 racks
+    sched = ALGORITHMS["recursive-doubling"](topo, "allreduce", nbytes=8)
+    gpu_groups = topo.tiers[0].groups
+    group_of = {r: i for i, g in enumerate(gpu_groups) for r in g}
+    for r, prog in enumerate(sched.programs):
+        first, last = prog[0].peer, prog[-1].peer
+        assert group_of[first] == group_of[r]
+        assert group_of[last] != group_of[r]
+
+
+def test_small_messages_choose_few_rounds():
+    """At 8 bytes on a three-tier cluster of 48 ranks the planner picks whole-vector recursive
+    doubling, which needs half the rounds (and so about half the latency) of halving-doubling."""
+    from ddl.planner import Planner
+
+    topo = three_tier(hosts=4, racks=3)
+    plan = Planner(topo, use_disk_cache=False).plan("allreduce", 8)
+    assert plan.algorithm == "recursive-doubling"
+    assert plan.predicted_seconds < 0.6 * plan.baselines["halving-doubling"]
+    assert plan.predicted_seconds < 0.6 * plan.baselines["double-binary-tree"]
 
 
 # ---- scale --------------------------------------------------------------------------------------

@@ -570,6 +570,6 @@ def test_classic_schedules_at_every_size_on_a_star(p):
 
     topo = flat_topology(p)
     for nbytes in (8, 1 << 20, 64 << 20, 256 << 20):
-        for name in ("ring", "halving-doubling", "double-binary-tree", "hierarchical"):
+        for name in ("ring", "halving-doubling", "recursive-doubling", "double-binary-tree", "hierarchical"):
             sim = simulate(topo, ALGORITHMS[name](topo, "allreduce", nbytes=nbytes), nbytes)
             assert sim.seconds >= lower_bound(topo, "allreduce", nbytes).seconds * (1 - 1e-9), (name, nbytes)

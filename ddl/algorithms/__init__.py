@@ -3,10 +3,11 @@
 ``ALGORITHMS`` maps a name to ``fn(topo, collective, *, root=0, nbytes=None) -> Schedule``; ``fn``
 raises :class:`ddl.PlanError` when it does not apply. ``nbytes`` only chooses the pipelining depth.
 Each family also offers a topology-free builder on a rank order (``ring_schedule``,
-``halving_doubling_schedule``, ``dbt_schedule``, ``hierarchical_schedule``) for tests and tools.
+``halving_doubling_schedule``, ``recursive_doubling_schedule``, ``dbt_schedule``, ``hierarchical_schedule``) for tests and tools.
 
 * ``ring`` -- topology-aware ring (NCCL-style order), all four collectives;
 * ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
+* ``recursive-doubling`` -- whole-vector swaps, ``log2 p`` rounds for latency-bound sizes; allreduce;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
 * ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives;
 * ``tree-packing`` -- ForestColl's optimal packing of spanning trees (Blink-style few, shallow trees);
@@ -22,6 +23,7 @@ from .double_binary_tree import dbt_schedule, double_binary_tree
 from .halving_doubling import halving_doubling, halving_doubling_schedule
 from .hierarchical import hierarchical, hierarchical_schedule
 from .multicommodity_flow import multicommodity_flow
+from .recursive_doubling import recursive_doubling, recursive_doubling_schedule
 from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
 from .tree_packing import tree_packing
@@ -29,6 +31,7 @@ from .tree_packing import tree_packing
 ALGORITHMS = {
     "ring": ring,
     "halving-doubling": halving_doubling,
+    "recursive-doubling": recursive_doubling,
     "double-binary-tree": double_binary_tree,
     "hierarchical": hierarchical,
     "tree-packing": tree_packing,
@@ -37,5 +40,5 @@ ALGORITHMS = {
 }
 
 __all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow",
-           "tree_packing", "reduce_broadcast_trees", "ring_order",
-           "ring_schedule", "halving_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]
+           "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
+           "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]

@@ -47,7 +47,7 @@ def register(subparsers):
     p.add_argument("--op", default="sum", metavar="OP", help="sum (default), max or min")
     p.add_argument("--algorithms", default="auto", metavar="LIST",
                    help="ddl algorithms besides auto, comma-separated (ring, halving-doubling, "
-                        "double-binary-tree, hierarchical)")
+                        "recursive-doubling, double-binary-tree, hierarchical, ...)")
     p.add_argument("--peers", default="mpi", metavar="LIST",
                    help="peers to compare with: mpi, gloo, both (mpi,gloo) or none (default mpi)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
