@@ -6,7 +6,12 @@ launches that itself when needed). Implementations:
 * ``ddl`` -- :class:`ddl.Communicator` with ``algorithm="auto"``; ``ddl:NAME`` with a fixed algorithm
   (``--algorithms ring,hierarchical``);
 * ``mpi`` -- the MPI library's ``MPI_Allreduce`` through mpi4py's ``comm.Allreduce``;
-* ``gloo`` -- ``torch.distributed.all_reduce`` with the gloo backend, when torch is installed.
+* ``gloo`` -- ``torch.distributed.all_reduce`` with the gloo backend, when torch is installed;
+* ``nccl`` -- with ``--device gpu`` (buffers on the GPU, :mod:`ddl.gpu.bench`): NCCL's own allreduce.
+
+``--device gpu`` puts the send and receive buffers on each rank's GPU (CuPy); ddl then runs its device
+executor, ``mpi`` gets the device buffers when the MPI library is CUDA-aware and host copies otherwise,
+and a timed call lasts until the device has finished.
 
 Method. Every implementation uses the same send and receive buffers for a size. The send buffer holds
 a deterministic pattern of small integers (``(7 * (i % 251) + 13 * rank) % 251``), so every partial sum
@@ -34,7 +39,8 @@ from .units import format_seconds, format_size, parse_size
 
 DTYPES = ("float32", "float64", "int32", "int64")
 OPS = ("sum", "max", "min")
-PEERS = ("mpi", "gloo")
+PEERS = ("mpi", "gloo", "nccl")
+DEVICES = ("cpu", "gpu")
 PATTERN_PERIOD = 251  # prime, so a chunk landing at a wrong offset shows up as wrong elements
 MAX_SIZES = 64
 
@@ -58,6 +64,7 @@ class Options:
     plot: object = None
     progress: object = None          # None: automatic (runs longer than a few seconds), True, False
     scale: object = None             # the network runs at scale x the file's link bandwidths (emulation)
+    device: str = "cpu"              # where the buffers live: cpu (numpy) or gpu (CuPy)
 
 
 # ---- argument parsing (pure, deterministic: every rank raises the same Error) --------------------------
@@ -139,7 +146,7 @@ def parse_names(text, choices, what):
 
 def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5", warmup="1",
             dtype="float32", op="sum", algorithms="auto", peers="mpi", json=False, plot=None,
-            progress=None, scale=None):
+            progress=None, scale=None, device="cpu"):
     """Validated :class:`Options` from command-line strings; raises :class:`ddl.Error`."""
     from .planner import algorithm_names
 
@@ -147,6 +154,13 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
         raise Error(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     if op not in OPS:
         raise Error(f"--op {op!r} is not supported; choose one of {', '.join(OPS)}")
+    if device not in DEVICES:
+        raise Error(f"--device {device!r}: choose cpu or gpu")
+    peer_names = parse_names(peers, PEERS, "--peers")
+    if device == "cpu" and "nccl" in peer_names:
+        raise Error("--peers nccl compares GPU buffers: add --device gpu (or leave nccl out)")
+    if device == "gpu" and "gloo" in peer_names:
+        raise Error("--peers gloo runs on host buffers: with --device gpu compare with mpi,nccl")
     algos = ["auto"] + [a for a in parse_names(algorithms, ("auto", *algorithm_names()), "--algorithms")
                         if a != "auto"]
     if topology is not None:
@@ -169,8 +183,8 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
     return Options(topology=topology, sizes=sizes,
                    iters=_parse_int(iters, "--iters", minimum=1),
                    warmup=_parse_int(warmup, "--warmup", minimum=0), dtype=dtype, op=op,
-                   algorithms=algos, peers=parse_names(peers, PEERS, "--peers"), json=bool(json),
-                   plot=plot, progress=progress, scale=None if scale in (None, 1.0) else scale)
+                   algorithms=algos, peers=peer_names, json=bool(json), plot=plot, progress=progress,
+                   scale=None if scale in (None, 1.0) else scale, device=device)
 
 
 def scaled_topology(topo, scale):
@@ -222,6 +236,52 @@ def poison(buf):
     buf.fill(np.nan if buf.dtype.kind == "f" else -1)
 
 
+class HostMemory:
+    """Where the benchmark's buffers live: host memory (numpy). :class:`ddl.gpu.bench.DeviceMemory`
+    is the GPU one; the benchmark loop only talks to these methods."""
+
+    name = "cpu"
+    label = "host memory"
+
+    def upload(self, host):
+        return host
+
+    def empty_like(self, a):
+        return np.empty_like(a)
+
+    def download(self, a, out=None):
+        if out is None:
+            return a
+        np.copyto(out, a)
+        return out
+
+    def upload_into(self, dst, host):
+        np.copyto(dst, host)
+
+    def copy(self, dst, src):
+        np.copyto(dst, src)
+
+    def poison(self, a):
+        poison(a)
+
+    def sync(self):
+        pass
+
+    def mpi_staging(self):
+        return False
+
+    def attach(self, comm):
+        pass
+
+
+def make_memory(device, world):
+    """The memory of ``--device`` (collective: on the GPU every rank picks its device)."""
+    if device == "gpu":
+        from .gpu.bench import DeviceMemory
+        return DeviceMemory(world)
+    return HostMemory()
+
+
 # ---- implementations -----------------------------------------------------------------------------------
 class Skip(Exception):
     """This implementation cannot run here (the reason is the message); the others go on."""
@@ -230,11 +290,13 @@ class Skip(Exception):
 class DdlImpl:
     kind = "ddl"
 
-    def __init__(self, world, topo, algorithm):
+    def __init__(self, world, topo, algorithm, memory):
         import ddl
         self.algorithm = algorithm
         self.name = "ddl" if algorithm == "auto" else f"ddl:{algorithm}"
         self.comm = ddl.Communicator(world, topology=topo, algorithm=algorithm)
+        memory.attach(self.comm)
+        self.memory = memory
         self.op = {"sum": ddl.SUM, "max": ddl.MAX, "min": ddl.MIN}
         self.schedule = None
 
@@ -249,33 +311,51 @@ class DdlImpl:
             raise Skip(str(exc)) from None
 
     def prepare(self, send, recv):
-        poison(recv)
+        self.memory.poison(recv)
 
     def call(self, send, recv, op):
         self.comm.Allreduce(send, recv, op=self.op[op])
 
     def close(self):
-        pass
+        self.comm.Free()
 
 
 class MpiImpl:
+    """The MPI library's allreduce. On device buffers without a CUDA-aware MPI it is handed host
+    copies (down, allreduce, up, all timed): what a framework without CUDA-aware MPI has to do."""
+
     kind = "peer"
     name = "mpi"
 
-    def __init__(self, world):
+    def __init__(self, world, memory):
         from mpi4py import MPI
         self.comm = world.Dup()
         self.op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
         self.library = " ".join(MPI.Get_library_version().splitlines()[0].split()).replace("Version: ", "")
+        self.memory = memory
+        self.staged = bool(world.allreduce(int(memory.mpi_staging()), op=MPI.MAX))
+        if memory.name == "gpu":
+            self.library += ", host-staged" if self.staged else ", CUDA-aware"
+        self._host = None
 
     def prepare_size(self, nbytes):
-        pass
+        self._host = None
 
     def prepare(self, send, recv):
-        poison(recv)
+        self.memory.poison(recv)
 
     def call(self, send, recv, op):
-        self.comm.Allreduce(send, recv, op=self.op[op])
+        if not self.staged:
+            self.comm.Allreduce(send, recv, op=self.op[op])
+            return
+        if self._host is None:         # host copies, made at the first call of a size
+            hsend = self.memory.download(send)
+            self._host = (hsend, np.empty_like(hsend))
+        else:
+            self.memory.download(send, out=self._host[0])
+        hsend, hrecv = self._host
+        self.comm.Allreduce(hsend, hrecv, op=self.op[op])
+        self.memory.upload_into(recv, hrecv)
 
     def close(self):
         self.comm.Free()
@@ -458,10 +538,11 @@ def run(opts, world=None, out=None, err=None):
     return status
 
 
-def measure(opts, world=None, out=None, err=None):
+def measure(opts, world=None, out=None, err=None, memory=None):
     """Run the benchmark; rank 0 returns ``(rows, notes, header)``, other ranks ``(None, None, None)``.
 
     Rank 0 prints the table (unless ``opts.json``) row by row to ``out`` and notes to ``err``.
+    ``memory``: where the buffers live (default :func:`make_memory` of ``opts.device``).
     """
     from mpi4py import MPI
 
@@ -491,10 +572,17 @@ def measure(opts, world=None, out=None, err=None):
         if lead:
             print(f"ddl bench: {text}", file=err, flush=True)
 
-    impls = [DdlImpl(world, topo, a) for a in opts.algorithms]
+    memory = memory or make_memory(opts.device, world)
+    impls = [DdlImpl(world, topo, a, memory) for a in opts.algorithms]
     for peer in opts.peers:
         if peer == "mpi":
-            impls.append(MpiImpl(world))
+            impls.append(MpiImpl(world, memory))
+        elif peer == "nccl":
+            from .gpu.bench import NcclImpl
+            try:
+                impls.append(NcclImpl(world, memory))
+            except Skip as exc:
+                note(f"nccl skipped: {exc}")
         elif peer == "gloo":
             problems = [p for p in world.allgather(torch_problem()) if p]
             if problems:
@@ -503,7 +591,7 @@ def measure(opts, world=None, out=None, err=None):
             impls.append(GlooImpl(world))
 
     dtype = np.dtype(opts.dtype)
-    header = _header(opts, topo, model, nranks, impls)
+    header = _header(opts, topo, model, nranks, impls, memory)
     widths = widths_for([impl.name for impl in impls])
     if lead and not opts.json:
         for line in header["lines"]:
@@ -513,14 +601,15 @@ def measure(opts, world=None, out=None, err=None):
         print(_table_header(widths), file=out, flush=True)
 
     counts = [max(1, n // dtype.itemsize) for n in opts.sizes]
-    _check_memory(world, max(counts) * dtype.itemsize)
+    if memory.name == "cpu":
+        _check_memory(world, max(counts) * dtype.itemsize)
     total = sum(c * dtype.itemsize for c in counts) * len(impls) * (opts.iters + opts.warmup)
     progress = Progress(total, opts.progress) if lead else None
     rows = []
     for count in counts:
         nbytes = count * dtype.itemsize
-        send = pattern(count, rank, dtype)
-        recv = np.empty_like(send)
+        send = memory.upload(pattern(count, rank, dtype))
+        recv = memory.empty_like(send)
         want = expected(count, nranks, dtype, opts.op)
         active, skipped = [], []
         for impl in impls:
@@ -534,14 +623,14 @@ def measure(opts, world=None, out=None, err=None):
         wrong = {}
         for impl in active:
             for _ in range(opts.warmup):
-                _timed(impl, world, send, recv, opts.op)
+                _timed(impl, world, send, recv, opts.op, memory)
                 if progress:
                     progress.step(nbytes, f"{format_size(nbytes)} {impl.name} warm-up")
         for it in range(opts.iters):
             for impl in active:
-                times[impl.name].append(_timed(impl, world, send, recv, opts.op))
+                times[impl.name].append(_timed(impl, world, send, recv, opts.op, memory))
                 if it == opts.iters - 1:
-                    mine = int(np.count_nonzero(recv != want))
+                    mine = int(np.count_nonzero(memory.download(recv) != want))
                     wrong[impl.name] = world.allreduce(mine, op=MPI.SUM)
                 if progress:
                     progress.step(nbytes, f"{format_size(nbytes)} {impl.name} iteration {it + 1}/{opts.iters}")
@@ -588,13 +677,16 @@ def _check_memory(world, nbytes):
                     f"machine (3 buffers per rank), more than it has: give a smaller --bytes")
 
 
-def _timed(impl, world, send, recv, op):
-    """One iteration: prepare, barrier, time the call; the slowest rank's time."""
+def _timed(impl, world, send, recv, op, memory):
+    """One iteration: prepare, barrier, time the call (until the device, if any, is done); the
+    slowest rank's time."""
     from mpi4py import MPI
     impl.prepare(send, recv)
+    memory.sync()
     world.Barrier()
     t0 = time.perf_counter()
     impl.call(send, recv, op)
+    memory.sync()
     dt = time.perf_counter() - t0
     return world.allreduce(dt, op=MPI.MAX)
 
@@ -643,7 +735,7 @@ def _finite(x):
     return x if math.isfinite(x) else None
 
 
-def _header(opts, topo, model, nranks, impls):
+def _header(opts, topo, model, nranks, impls, memory):
     where = (f"topology {topo.name} ({opts.topology}"
              + (f", network links scaled by {opts.scale:g}" if opts.scale else "") + ")" if topo is not None
              else f"flat topology of {nranks} ranks (no topology file)")
@@ -653,7 +745,7 @@ def _header(opts, topo, model, nranks, impls):
         names.append(impl.name if impl.kind == "ddl" else f"{impl.name} ({impl.library})")
     lines = [f"# ddl bench: allreduce on {nranks} ranks, {where}"
              + (f", emulated cluster {emulated!r}" if emulated else ""),
-             f"# {opts.dtype}, {opts.op}; {opts.iters} iterations (+{opts.warmup} warm-up) per size and "
+             f"# {opts.dtype}, {opts.op}, buffers in {memory.label}; {opts.iters} iterations (+{opts.warmup} warm-up) per size and "
              f"implementation; time = median over iterations of the slowest rank (barrier before each)",
              f"# implementations: {', '.join(names)}",
              "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm"]

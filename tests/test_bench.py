@@ -128,6 +128,91 @@ def test_rank_count_mismatch_is_one_clean_error(env):
     assert "Traceback" not in p.stderr
 
 
+# ---- --device gpu ---------------------------------------------------------------------------------------
+_DEVICE_LOOP = """
+import json, sys
+import numpy as np
+from mpi4py import MPI
+from ddl import bench
+from ddl.gpu.executor import HostRuntime, NcclExecutor
+
+class HostArray:
+    # host memory presented as a device array (``__cuda_array_interface__``)
+    def __init__(self, a):
+        self.a = a
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
+                "strides": None, "version": 3}
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+class PosingMemory(bench.HostMemory):
+    # the benchmark's device memory interface on host arrays, with ddl's device executor on host memory
+    name, label = "gpu", "host memory posing as a GPU"
+    comms = []
+    def upload(self, host):
+        return HostArray(host.copy())
+    def empty_like(self, a):
+        return HostArray(np.empty_like(a.a))
+    def download(self, a, out=None):
+        return super().download(a.a, out)
+    def upload_into(self, dst, host):
+        np.copyto(dst.a, host)
+    def poison(self, a):
+        bench.poison(a.a)
+    def mpi_staging(self):
+        return True
+    def attach(self, comm):
+        comm._device = NcclExecutor(comm, runtime=HostRuntime(), path="cuda-aware-mpi")
+        self.comms.append(comm)
+
+world = MPI.COMM_WORLD
+opts = bench.options(bytes="8,4KiB,1MiB", iters="2", peers="mpi", algorithms="auto,ring", json=True,
+                     device="gpu", progress=False)
+memory = PosingMemory()
+rows, notes, header = bench.measure(opts, world, memory=memory)
+paths = world.gather([c.last_path for c in memory.comms], root=0)
+if world.rank == 0:
+    print("RESULT " + json.dumps({"rows": rows, "paths": paths, "header": header["lines"]}))
+"""
+
+
+@needs_mpi
+@pytest.mark.timeout(300)
+def test_device_benchmark_loop_on_host_memory(env, tmp_path):
+    """``--device gpu``'s loop without a GPU: buffers that only offer ``__cuda_array_interface__``
+    reach ddl's device executor (run on host memory), MPI gets host-staged copies, every result is
+    checked exactly, and the header says where the buffers lived."""
+    script = tmp_path / "device_loop.py"
+    script.write_text(_DEVICE_LOOP)
+    p = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    result = json.loads(p.stdout.split("RESULT ", 1)[1])
+    rows = result["rows"]
+    assert {(r["impl"], r["bytes"]) for r in rows} == {(i, n) for i in ("ddl", "ddl:ring", "mpi")
+                                                       for n in (8, 4096, 1 << 20)}
+    assert all(r["correct"] and r["wrong"] == 0 and r["seconds"] > 0 for r in rows), rows
+    assert all(paths == ["cuda-aware-mpi", "cuda-aware-mpi"] for paths in result["paths"]), result["paths"]
+    assert any("buffers in host memory posing as a GPU" in line for line in result["header"])
+    assert any("host-staged" in line for line in result["header"])
+
+
+@needs_mpi
+def test_device_gpu_without_a_usable_gpu_is_one_clear_error(env):
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a GPU is present: --device gpu runs for real here")
+    except Exception:
+        pass
+    p = bench(["--bytes", "8", "--device", "gpu"], env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count("ddl: error: --device gpu:") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
 # ---- argument errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (["--bytes", "lots"], "cannot parse size"),
@@ -138,7 +223,10 @@ def test_rank_count_mismatch_is_one_clean_error(env):
     (["--warmup", "x"], "--warmup must be a whole number"),
     (["--dtype", "float8"], "--dtype 'float8' is not supported"),
     (["--op", "prod"], "--op 'prod' is not supported"),
-    (["--peers", "nccl"], "--peers: unknown name 'nccl'"),
+    (["--peers", "magic"], "--peers: unknown name 'magic'"),
+    (["--peers", "nccl"], "--peers nccl compares GPU buffers: add --device gpu"),
+    (["--device", "tpu"], "--device 'tpu': choose cpu or gpu"),
+    (["--device", "gpu", "--peers", "mpi,gloo"], "--peers gloo runs on host buffers"),
     (["--algorithms", "magic"], "--algorithms: unknown name 'magic'"),
     (["--plot", "/nonexistent-dir/x.png"], "does not exist"),
     (["--plot", "out.txt"], "write a .png"),

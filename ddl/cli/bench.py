@@ -1,6 +1,7 @@
 """``ddl bench``: nccl-tests-style allreduce benchmark of ddl against MPI_Allreduce and gloo.
 
     mpiexec -n 8 ddl bench topologies/emulated-2rack.yaml --bytes 8:64MiB --peers mpi,gloo
+    mpiexec -n 8 ddl bench topologies/dgx-h100.yaml --device gpu --peers nccl,mpi
     ddl bench topologies/emulated-2rack.yaml                 # launches mpiexec -n 8 itself
     ddl bench topologies/emulated-2rack.yaml --emulate --bytes 64MiB --iters 3 --peers mpi,gloo --json
 
@@ -49,7 +50,11 @@ def register(subparsers):
                    help="ddl algorithms besides auto, comma-separated (ring, halving-doubling, "
                         "recursive-doubling, double-binary-tree, hierarchical, ...)")
     p.add_argument("--peers", default="mpi", metavar="LIST",
-                   help="peers to compare with: mpi, gloo, both (mpi,gloo) or none (default mpi)")
+                   help="peers to compare with: mpi, gloo, nccl (with --device gpu), a list such as "
+                        "mpi,gloo, or none (default mpi)")
+    p.add_argument("--device", default="cpu", metavar="cpu|gpu",
+                   help="where the buffers live: cpu (numpy, default) or gpu (CuPy on each rank's GPU: "
+                        "ddl's device executor, NCCL and MPI on device buffers)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write bus bandwidth against size, one line per implementation")
@@ -82,7 +87,7 @@ def cmd_bench(args):
     opts = bench.options(topology=file, bytes=args.bytes, max_bytes=args.max_bytes, factor=args.factor,
                          iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op,
                          algorithms=args.algorithms, peers=args.peers, json=args.json, plot=args.plot,
-                         progress=args.progress, scale=args.scale)
+                         progress=args.progress, scale=args.scale, device=args.device)
     if args.no_rate_check and not args.emulate:
         raise Error("--no-rate-check applies to --emulate only")
     if args.nranks is not None and (file or under_mpi() or args.emulate):
@@ -134,7 +139,8 @@ def forward_argv(opts):
     argv = ([opts.topology] if opts.topology else []) + [
         "--bytes", ",".join(str(n) for n in opts.sizes), "--iters", str(opts.iters),
         "--warmup", str(opts.warmup), "--dtype", opts.dtype, "--op", opts.op,
-        "--algorithms", ",".join(opts.algorithms), "--peers", ",".join(opts.peers) or "none"]
+        "--algorithms", ",".join(opts.algorithms), "--peers", ",".join(opts.peers) or "none",
+        "--device", opts.device]
     if opts.json:
         argv.append("--json")
     if opts.plot:
