@@ -208,24 +208,27 @@ class ShmBoard:
     """
 
     DEPTH = 64
+    INLINE = 1024  # bytes of data a rank may post with its signature (see Engine: inline allreduce)
 
     def __init__(self, comm):
         from mpi4py import MPI
         import platform
-        p, D, L = comm.Get_size(), self.DEPTH, SIG_LEN
+        p, D, L, W = comm.Get_size(), self.DEPTH, SIG_LEN, self.INLINE // 8
         self.rank, self.size = comm.Get_rank(), p
-        nwords = D * p + D * p * L + 3 * p  # last 2p words: a 32-bit doorbell and a sleep flag per rank
+        nwords = D * p + D * p * L + 3 * p + D * p * W  # 2p words: a 32-bit doorbell and a sleep flag per rank
         self.win = MPI.Win.Allocate_shared(nwords * 8 if self.rank == 0 else 0, 8, comm=comm)
         buf, _ = self.win.Shared_query(0)
         words = np.frombuffer(buf, dtype=np.int64, count=nwords)
         if self.rank == 0:
             words[:] = 0
-        self.seqs = words[:D * p].reshape(D, p)                          # seq + 1 of each rank's entry
-        self.sigs = words[D * p:D * p + D * p * L].reshape(D, p, L)      # the signature vectors
-        self.done = words[D * p + D * p * L:D * p + D * p * L + p]       # agreements each rank finished
-        flags = words[D * p + D * p * L + p:].view(np.int32)             # futex words (see executor.Doorbell)
+        parts = np.cumsum([0, D * p, D * p * L, p, 2 * p, D * p * W])
+        self.seqs = words[parts[0]:parts[1]].reshape(D, p)               # seq + 1 of each rank's entry
+        self.sigs = words[parts[1]:parts[2]].reshape(D, p, L)            # the signature vectors
+        self.done = words[parts[2]:parts[3]]                             # agreements each rank finished
+        flags = words[parts[3]:parts[4]].view(np.int32)                  # futex words (see executor.Doorbell)
         self.bells = flags[0:2 * p:2]                                     # ... a doorbell per rank
         self.sleeping = flags[2 * p::2]                                   # ... 1 while its rank sleeps on it
+        self.inline = words[parts[4]:parts[5]].view(np.uint8).reshape(D, p, self.INLINE)  # posted data
         # built once so that the hot path is a memory comparison: memoryview == memoryview
         self._seq_views = [memoryview(self.seqs[s]) for s in range(D)]
         self._expect = np.zeros((D, p), np.int64)
@@ -244,9 +247,13 @@ class ShmBoard:
         self._min_done = int(self.done.min())
         return self._min_done > seq - self.DEPTH
 
-    def post(self, seq, vector):
-        """Enter collective ``seq`` with signature ``vector`` (its seq word is overwritten here)."""
+    def post(self, seq, vector, data=None):
+        """Enter collective ``seq`` with signature ``vector`` (its seq word is overwritten here) and,
+        optionally, up to :attr:`INLINE` bytes of ``data`` (a contiguous numpy array) that every rank
+        can read with :meth:`posted` until it calls :meth:`finish`."""
         s = seq % self.DEPTH
+        if data is not None and data.nbytes:
+            self.inline[s, self.rank, :data.nbytes] = data.reshape(-1).view(np.uint8)
         row = self.sigs[s, self.rank]
         row[:] = vector
         row[0] = seq
@@ -275,6 +282,11 @@ class ShmBoard:
             self._fence()
         rows = self.sigs[seq % self.DEPTH]
         return rows.tobytes() == rows[self.rank].tobytes() * self.size
+
+    def posted(self, seq, count, dtype):
+        """Every rank's data posted with ``seq``: an array ``(size, count)`` of ``dtype`` (a view)."""
+        nbytes = count * np.dtype(dtype).itemsize
+        return self.inline[seq % self.DEPTH, :, :nbytes].view(dtype)
 
     def table(self, seq):
         return self.sigs[seq % self.DEPTH].copy()

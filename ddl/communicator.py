@@ -52,7 +52,7 @@ import os
 
 import numpy as np
 
-from .agreement import CHECK_MODES, Signature, digest62, format_ranks
+from .agreement import CHECK_MODES, ShmBoard, Signature, digest62, format_ranks
 from .buffers import IN_PLACE, is_in_place, parse_buffer
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError
@@ -117,6 +117,9 @@ class Request:
 _LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce",
                       "reduce_scatter": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
                       "allgather": "allgather", "allgather_inplace": "allgather", "broadcast": "broadcast"}
+# Allreduces of at most ShmBoard.INLINE bytes on one node post their input with the agreement and
+# are reduced from the board (see Engine._reduce_posted): no message at all.
+_INLINE_LAYOUTS = ("allreduce", "allreduce_inplace")
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
           "broadcast": "Bcast"}
 
@@ -213,9 +216,14 @@ class Communicator:
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
         use_board = self.size > 1 and check == "always" and local == self.size and agreement != "mpi"
         self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
+        # auto, with ddl's planner, on one node: the smallest allreduces ride on the agreement board
+        inline = int(_env_float("DDL_INLINE_BYTES", ShmBoard.INLINE))
+        if not 0 <= inline <= ShmBoard.INLINE:
+            raise Error(f"DDL_INLINE_BYTES must be between 0 and {ShmBoard.INLINE}, got {inline}")
+        self.inline_bytes = (inline if use_board and planner is None and self._algorithm_of("allreduce") == "auto"
+                             else 0)
         self._agree_on_setup()
         if use_board:
-            from .agreement import ShmBoard
             self._board = ShmBoard(self._pcomm)
         over = os.environ.get("DDL_OVERSUBSCRIBED", "")
         oversubscribed = local > _cores() if over == "" else over not in ("0", "false", "no")
@@ -260,21 +268,22 @@ class Communicator:
         """All ranks must plan on the same topology with the same algorithm and check mode."""
         if self.size == 1:
             return
-        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement)
+        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement, self.inline_bytes)
         buf = np.array([h, -h, 0, 0], np.int64)
         self._pcomm.Allreduce(buf[:2], buf[2:], self._MPI.MAX)
         if buf[2] == -buf[3]:
             return
         mine = (self.topology.name if self.topology is not None else "flat",
                 self.topology.fingerprint[:12] if self.topology is not None else "-", repr(self.algorithm),
-                self.check, self.agreement)
+                self.check, self.agreement, self.inline_bytes)
         table = self._gcomm.allgather(mine)
         groups = {}
         for r, sig in enumerate(table):
             groups.setdefault(sig, []).append(r)
         parts = [f"{format_ranks(rs)} {'uses' if len(rs) == 1 else 'use'} topology {t!r} (fingerprint {f}), "
-                 f"algorithm={a}, check={c!r}, agreement {g} (env DDL_AGREEMENT)"
-                 for (t, f, a, c, g), rs in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))]
+                 f"algorithm={a}, check={c!r}, agreement {g} (env DDL_AGREEMENT), inline allreduce up "
+                 f"to {i} bytes (env DDL_INLINE_BYTES; 0 with a custom planner)"
+                 for (t, f, a, c, g, i), rs in sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))]
         self._pcomm.Free()
         self._gcomm.Free()
         self._freed = True
@@ -335,7 +344,13 @@ class Communicator:
         return digest
 
     def plan(self, nbytes_or_buffer, collective="allreduce", root=0):
-        """The :class:`~ddl.schedule.Schedule` that would run for this size (bytes) or buffer."""
+        """The :class:`~ddl.schedule.Schedule` that would run for this size (bytes) or buffer.
+
+        (An allreduce of at most :attr:`inline_bytes` runs on the shared-memory agreement board
+        instead: every rank posts its input beside its signature and reduces all of them in rank
+        order. ``inline_bytes`` is 1 KiB (env ``DDL_INLINE_BYTES``, 0 turns it off) with
+        ``algorithm="auto"`` and ddl's planner when all ranks share a node and the check is
+        ``"always"``, else 0.)"""
         if isinstance(nbytes_or_buffer, (int, np.integer)):
             nbytes = int(nbytes_or_buffer)
         else:
@@ -407,6 +422,8 @@ class Communicator:
         else:
             check = False
         ex = Execution(plan, seq, sig, check, label, send, recv, finish)
+        if count * dtype.itemsize <= self.inline_bytes and layout in _INLINE_LAYOUTS:
+            ex.inline = recv if send is None else send
         ex.sig_hash = sig.hash(seq)
         ex.salt = sig.base
         self._engine.start(ex)

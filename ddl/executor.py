@@ -283,7 +283,7 @@ class Execution:
 
     __slots__ = ("plan", "seq", "sig", "sig_hash", "check", "salt", "tag_base", "bufs", "views", "need",
                  "remaining", "state", "error", "done", "check_buf", "gather_buf", "resources", "finish",
-                 "t_start", "t_progress", "warned", "label", "agree_done", "engine")
+                 "t_start", "t_progress", "warned", "label", "agree_done", "engine", "inline")
 
     def __init__(self, plan, seq, sig, check, label, sendbuf, recvbuf, finish=None):
         self.plan, self.seq, self.sig, self.check, self.label = plan, seq, sig, check, label
@@ -299,6 +299,7 @@ class Execution:
         self.warned = False
         self.agree_done = False
         self.check_buf = self.gather_buf = None
+        self.inline = None  # an allreduce small enough to ride on the agreement board: its input
 
 
 class Doorbell:
@@ -454,7 +455,7 @@ class Engine:
         if board is not None:
             if not board.can_post(ex.seq):   # a peer is DEPTH collectives behind: let it catch up
                 self._drive_until(lambda: board.can_post(ex.seq), ex)
-            board.post(ex.seq, ex.sig.vector)
+            board.post(ex.seq, ex.sig.vector, ex.inline)
             self.agree_queue.append(ex)
             if self.bell is not None:
                 board.fence()  # of two ranks arriving together, at least one sees it is last
@@ -632,16 +633,36 @@ class Engine:
         while q and board.ready(q[0].seq):
             ex = q.pop(0)
             progressed = True
+            if ex.state == "failed":   # given up (stall) while it waited here: only free the slot
+                board.finish(ex.seq)
+                continue
             ex.t_progress = self._now
             if board.agreed(ex.seq):
-                board.finish(ex.seq)
-                self._start_data(ex)
+                if ex.inline is not None:
+                    self._reduce_posted(ex)
+                    board.finish(ex.seq)
+                    self._finish(ex)
+                else:
+                    board.finish(ex.seq)
+                    self._start_data(ex)
             else:
                 from .agreement import mismatch_error
                 table = board.table(ex.seq)
                 board.finish(ex.seq)
                 self._fail(ex, mismatch_error(table, ex.seq, self.rank))
         return progressed
+
+    def _reduce_posted(self, ex):
+        """Inline allreduce: every rank posted its input with its signature, so the agreement is the
+        whole collective. Each rank reduces all the posted rows itself, in rank order (row 0 op row 1,
+        then op row 2, ...): the same expression on every rank, bitwise identical results."""
+        plan = ex.plan
+        rows = self.board.posted(ex.seq, plan.count, plan.dtype)
+        out = ex.bufs[B_RECV].reshape(-1)
+        ufunc = plan.ufunc
+        ufunc(rows[0], rows[1], out=out)
+        for r in range(2, self.size):
+            ufunc(out, rows[r], out=out)
 
     # ---- progress ---------------------------------------------------------------------------------
     def _dispatch(self, owner):

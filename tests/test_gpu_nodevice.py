@@ -1090,7 +1090,9 @@ def test_fallback_paths_under_mpiexec_match_the_host_executor(tmp_path, path, nr
         pytest.skip("mpiexec not found")
     script = tmp_path / "gpu_fallback.py"
     script.write_text(_MPI_SCRIPT)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"))
+    # DDL_INLINE_BYTES=0: the host reference runs its schedule at every size (small allreduces would
+    # otherwise be reduced from the shared-memory board, in another order than the schedule's)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
     env.pop("DDL_TOPOLOGY", None)
     proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script), path, algorithm],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)

@@ -302,6 +302,41 @@ def check_functional():
     chk.ok(np.array_equal(f, np.arange(6).reshape(2, 3) * p), "Fortran-ordered buffer")
 
 
+def check_inline():
+    """Allreduces of at most inline_bytes (auto, one node, check always) ride on the agreement board:
+    every rank reduces the posted inputs in rank order, so the result is exactly that expression."""
+    chk.ok(comm.inline_bytes == (1024 if comm.agreement == "shared-memory" else 0),
+           f"inline_bytes {comm.inline_bytes} with agreement {comm.agreement}")
+    ring = ddl.Communicator(WORLD, algorithm="ring")
+    chk.ok(ring.inline_bytes == 0, "an explicit algorithm must run its schedule")
+    ring.Free()
+    for count in (256, 257):               # 1024 bytes: inline (shared memory); 1028: the schedule
+        x = [inputs(k, np.dtype(np.float32), count, ddl.SUM) for k in range(p)]
+        out = np.empty(count, np.float32)
+        comm.Allreduce(x[r], out, op=ddl.SUM)
+        chk.same_everywhere(f"Allreduce of {count} float32", out)
+        ref = functools.reduce(np.add, x)  # rank order, in float32
+        if count * 4 <= comm.inline_bytes:
+            chk.ok(np.array_equal(out.view(np.uint32), ref.view(np.uint32)),
+                   "inline allreduce is not the rank-order reduction")
+        else:
+            chk.ok(np.allclose(out, ref, rtol=1e-5, atol=1e-4), f"Allreduce of {count} float32")
+        avg = np.empty(count, np.float32)
+        comm.Allreduce(x[r], avg, op=ddl.AVG)
+        chk.ok(np.allclose(avg, ref / p, rtol=1e-5, atol=1e-5), f"AVG of {count} float32")
+        chk.same_everywhere(f"AVG of {count} float32", avg)
+    # inline and scheduled requests in flight together, waited in reverse order
+    small = [np.full(3, r + i, np.int64) for i in range(4)]
+    big = np.full(5000, r, np.int64)
+    reqs = [comm.Iallreduce(ddl.IN_PLACE, a) for a in small[:2]] + [comm.Iallreduce(ddl.IN_PLACE, big)] + \
+           [comm.Iallreduce(ddl.IN_PLACE, a) for a in small[2:]]
+    for q in reversed(reqs):
+        q.Wait()
+    total = p * (p - 1) // 2
+    chk.ok(all(np.all(a == total + p * i) for i, a in enumerate(small)) and np.all(big == total),
+           "inline and scheduled Iallreduce in flight together")
+
+
 def check_reproducible():
     """A fresh communicator reproduces the bits of the first one (every run, not just every rank)."""
     a = inputs(r, np.dtype(np.float32), 1001, ddl.SUM)
@@ -318,6 +353,7 @@ check_large()
 check_nonblocking()
 check_functional()
 check_two_communicators()
+check_inline()
 check_reproducible()
 if mode == "full" or p in (5, 8):
     check_algorithms()

@@ -48,6 +48,13 @@ if r == 0:
     print("MISMATCH MESSAGE:", msg, flush=True)
 still_works("count mismatch")
 
+# across the inline limit: 1024 bytes ride on the agreement board, 1028 take the schedule; still one error
+count = 257 if r == last else 256
+expect(ddl.MismatchError, lambda: comm.Allreduce(np.ones(count, np.float32), np.empty(count, np.float32)),
+       f"rank {last} called Allreduce with 257 float32", "called Allreduce with 256 float32", "count",
+       label="count mismatch across the inline limit")
+still_works("count mismatch across the inline limit")
+
 dt = np.float64 if r == 0 else np.float32
 expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(10, dt)),
        "rank 0 called Allreduce with 10 float64", "with 10 float32", "dtype", label="dtype mismatch")
@@ -84,6 +91,11 @@ still_works("fresh communicator")
 topo = two_host_topology(p) if r == 0 else None
 expect(ddl.MismatchError, lambda: ddl.Communicator(WORLD, topology=topo), "rank 0 uses topology 'two-host",
        "topology 'flat", label="topology mismatch")
+if comm.agreement == "shared-memory":   # the inline limit (env) must agree too: else a hang, not an error
+    os.environ["DDL_INLINE_BYTES"] = "0" if r == 0 else "1024"
+    expect(ddl.MismatchError, lambda: ddl.Communicator(WORLD), "rank 0 uses", "inline allreduce up to 0 bytes",
+           "up to 1024 bytes", label="inline limit mismatch")
+    del os.environ["DDL_INLINE_BYTES"]
 
 # ---- local argument errors (raised before any communication) -----------------------------------------
 big = "topologies/fat-tree-4x4-r4.yaml" if p != 16 else "topologies/emulated-2rack.yaml"
