@@ -208,27 +208,38 @@ class ShmBoard:
     """
 
     DEPTH = 64
-    INLINE = 1024  # bytes of data a rank may post with its signature (see Engine: inline allreduce)
+    # Data posted with a signature (inline allreduce, see ddl.executor): up to inline_limit(p) bytes per
+    # rank, in PAYLOAD_DEPTH slots of their own (so the window stays small: 4 MiB at most).
+    INLINE_MAX = 128 << 10
+    INLINE_SLOT = 1 << 20      # bytes of one payload slot, all ranks together
+    PAYLOAD_DEPTH = 4
+
+    @classmethod
+    def inline_limit(cls, nranks):
+        """Bytes a rank may post with a signature: ``min(128 KiB, 1 MiB / p)``, a multiple of 64."""
+        return min(cls.INLINE_MAX, cls.INLINE_SLOT // max(nranks, 1)) // 64 * 64
 
     def __init__(self, comm):
         from mpi4py import MPI
         import platform
-        p, D, L, W = comm.Get_size(), self.DEPTH, SIG_LEN, self.INLINE // 8
+        p, D, L = comm.Get_size(), self.DEPTH, SIG_LEN
+        self.inline_bytes = self.inline_limit(p)
+        W = self.PAYLOAD_DEPTH * p * self.inline_bytes // 8
         self.rank, self.size = comm.Get_rank(), p
-        nwords = D * p + D * p * L + 3 * p + D * p * W  # 2p words: a 32-bit doorbell and a sleep flag per rank
+        nwords = D * p + D * p * L + 3 * p + W  # 2p words: a 32-bit doorbell and a sleep flag per rank
         self.win = MPI.Win.Allocate_shared(nwords * 8 if self.rank == 0 else 0, 8, comm=comm)
         buf, _ = self.win.Shared_query(0)
         words = np.frombuffer(buf, dtype=np.int64, count=nwords)
         if self.rank == 0:
             words[:] = 0
-        parts = np.cumsum([0, D * p, D * p * L, p, 2 * p, D * p * W])
+        parts = np.cumsum([0, D * p, D * p * L, p, 2 * p, W])
         self.seqs = words[parts[0]:parts[1]].reshape(D, p)               # seq + 1 of each rank's entry
         self.sigs = words[parts[1]:parts[2]].reshape(D, p, L)            # the signature vectors
         self.done = words[parts[2]:parts[3]]                             # agreements each rank finished
         flags = words[parts[3]:parts[4]].view(np.int32)                  # futex words (see executor.Doorbell)
         self.bells = flags[0:2 * p:2]                                     # ... a doorbell per rank
         self.sleeping = flags[2 * p::2]                                   # ... 1 while its rank sleeps on it
-        self.inline = words[parts[4]:parts[5]].view(np.uint8).reshape(D, p, self.INLINE)  # posted data
+        self.inline = words[parts[4]:parts[5]].view(np.uint8).reshape(self.PAYLOAD_DEPTH, p, self.inline_bytes)
         # built once so that the hot path is a memory comparison: memoryview == memoryview
         self._seq_views = [memoryview(self.seqs[s]) for s in range(D)]
         self._expect = np.zeros((D, p), np.int64)
@@ -241,19 +252,23 @@ class ShmBoard:
             self._fence = self.win.Sync
         comm.Barrier()
 
-    def can_post(self, seq):
-        if self._min_done > seq - self.DEPTH:  # done counters only grow: a cached minimum is safe
+    def can_post(self, seq, data=False):
+        """Whether slot ``seq`` is free: every rank is done with its previous occupant (``data``: the
+        payload slot too, which is reused every PAYLOAD_DEPTH collectives)."""
+        depth = self.PAYLOAD_DEPTH if data else self.DEPTH
+        if self._min_done > seq - depth:  # done counters only grow: a cached minimum is safe
             return True
         self._min_done = int(self.done.min())
-        return self._min_done > seq - self.DEPTH
+        return self._min_done > seq - depth
 
     def post(self, seq, vector, data=None):
         """Enter collective ``seq`` with signature ``vector`` (its seq word is overwritten here) and,
-        optionally, up to :attr:`INLINE` bytes of ``data`` (a contiguous numpy array) that every rank
-        can read with :meth:`posted` until it calls :meth:`finish`."""
+        optionally, up to :attr:`inline_bytes` of ``data`` (a contiguous numpy array; check
+        ``can_post(seq, data=True)`` first) that every rank can read with :meth:`posted` until it
+        calls :meth:`finish`."""
         s = seq % self.DEPTH
         if data is not None and data.nbytes:
-            self.inline[s, self.rank, :data.nbytes] = data.reshape(-1).view(np.uint8)
+            self.inline[seq % self.PAYLOAD_DEPTH, self.rank, :data.nbytes] = data.reshape(-1).view(np.uint8)
         row = self.sigs[s, self.rank]
         row[:] = vector
         row[0] = seq
@@ -286,7 +301,7 @@ class ShmBoard:
     def posted(self, seq, count, dtype):
         """Every rank's data posted with ``seq``: an array ``(size, count)`` of ``dtype`` (a view)."""
         nbytes = count * np.dtype(dtype).itemsize
-        return self.inline[seq % self.DEPTH, :, :nbytes].view(dtype)
+        return self.inline[seq % self.PAYLOAD_DEPTH, :, :nbytes].view(dtype)
 
     def table(self, seq):
         return self.sigs[seq % self.DEPTH].copy()

@@ -117,7 +117,7 @@ class Request:
 _LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce",
                       "reduce_scatter": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
                       "allgather": "allgather", "allgather_inplace": "allgather", "broadcast": "broadcast"}
-# Allreduces of at most ShmBoard.INLINE bytes on one node post their input with the agreement and
+# Allreduces of at most inline_bytes on one node post their input with the agreement and
 # are reduced from the board (see Engine._reduce_posted): no message at all.
 _INLINE_LAYOUTS = ("allreduce", "allreduce_inplace")
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
@@ -217,9 +217,11 @@ class Communicator:
         use_board = self.size > 1 and check == "always" and local == self.size and agreement != "mpi"
         self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
         # auto, with ddl's planner, on one node: the smallest allreduces ride on the agreement board
-        inline = int(_env_float("DDL_INLINE_BYTES", ShmBoard.INLINE))
-        if not 0 <= inline <= ShmBoard.INLINE:
-            raise Error(f"DDL_INLINE_BYTES must be between 0 and {ShmBoard.INLINE}, got {inline}")
+        limit = ShmBoard.inline_limit(self.size)
+        inline = int(_env_float("DDL_INLINE_BYTES", limit))
+        if not 0 <= inline <= limit:
+            raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
+                        f"on {self.size} ranks, got {inline}")
         self.inline_bytes = (inline if use_board and planner is None and self._algorithm_of("allreduce") == "auto"
                              else 0)
         self._agree_on_setup()
@@ -348,8 +350,8 @@ class Communicator:
 
         (An allreduce of at most :attr:`inline_bytes` runs on the shared-memory agreement board
         instead: every rank posts its input beside its signature and reduces all of them in rank
-        order. ``inline_bytes`` is 1 KiB (env ``DDL_INLINE_BYTES``, 0 turns it off) with
-        ``algorithm="auto"`` and ddl's planner when all ranks share a node and the check is
+        order. ``inline_bytes`` is ``min(128 KiB, 1 MiB / ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it
+        off) with ``algorithm="auto"`` and ddl's planner when all ranks share a node and the check is
         ``"always"``, else 0.)"""
         if isinstance(nbytes_or_buffer, (int, np.integer)):
             nbytes = int(nbytes_or_buffer)

@@ -453,8 +453,9 @@ class Engine:
         ex.state = "agreement"
         board = self.board
         if board is not None:
-            if not board.can_post(ex.seq):   # a peer is DEPTH collectives behind: let it catch up
-                self._drive_until(lambda: board.can_post(ex.seq), ex)
+            data = ex.inline is not None
+            if not board.can_post(ex.seq, data):   # a peer is DEPTH collectives behind: let it catch up
+                self._drive_until(lambda: board.can_post(ex.seq, data), ex)
             board.post(ex.seq, ex.sig.vector, ex.inline)
             self.agree_queue.append(ex)
             if self.bell is not None:

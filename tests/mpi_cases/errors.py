@@ -48,10 +48,11 @@ if r == 0:
     print("MISMATCH MESSAGE:", msg, flush=True)
 still_works("count mismatch")
 
-# across the inline limit: 1024 bytes ride on the agreement board, 1028 take the schedule; still one error
-count = 257 if r == last else 256
+# across the inline limit: n float32 ride on the agreement board, n + 1 take the schedule; still one error
+n = comm.inline_bytes // 4 or 256
+count = n + 1 if r == last else n
 expect(ddl.MismatchError, lambda: comm.Allreduce(np.ones(count, np.float32), np.empty(count, np.float32)),
-       f"rank {last} called Allreduce with 257 float32", "called Allreduce with 256 float32", "count",
+       f"rank {last} called Allreduce with {n + 1} float32", f"called Allreduce with {n} float32", "count",
        label="count mismatch across the inline limit")
 still_works("count mismatch across the inline limit")
 
@@ -95,6 +96,9 @@ if comm.agreement == "shared-memory":   # the inline limit (env) must agree too:
     os.environ["DDL_INLINE_BYTES"] = "0" if r == 0 else "1024"
     expect(ddl.MismatchError, lambda: ddl.Communicator(WORLD), "rank 0 uses", "inline allreduce up to 0 bytes",
            "up to 1024 bytes", label="inline limit mismatch")
+    os.environ["DDL_INLINE_BYTES"] = str(comm.inline_bytes + 1)
+    expect(ddl.Error, lambda: ddl.Communicator(WORLD), "DDL_INLINE_BYTES must be between 0 and",
+           label="inline limit above the board's")
     del os.environ["DDL_INLINE_BYTES"]
 
 # ---- local argument errors (raised before any communication) -----------------------------------------
