@@ -44,6 +44,15 @@ Execution rules
   ``sendbuf`` is ever made. Reduce-scatter keeps blocks other than its own in a cached workspace;
   allgather reads its own block from ``sendbuf`` and copies it into ``recvbuf`` once.
 
+Inline allreduce: on one node (shared-memory agreement, ``check="always"``, ``algorithm="auto"``), an
+allreduce of at most ``Communicator.inline_bytes`` (``min(128 KiB, 1 MiB / p)``) does not run its
+schedule: each rank posts its input beside its signature on the :class:`~ddl.agreement.ShmBoard`, and
+once every rank has posted (the agreement) each reduces all posted rows itself, in rank order
+(:meth:`Engine._reduce_posted`). No message at all: on an oversubscribed node every message hop costs a
+scheduling round, so this is what makes small allreduces cheap. Whether a call goes inline is a
+function of its signature, so a rank whose call differs still meets the others on the board and gets
+the :class:`~ddl.MismatchError`.
+
 Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement board, see
 :class:`ddl.agreement.ShmBoard`), and when nothing completed:
 
