@@ -65,9 +65,11 @@ def main(argv=None):
                 t[j, i] = (time.perf_counter() - t0) / block
         world.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
         n_it = rounds * block
-        sched = comm.plan(count * dtype.itemsize)
-        rows.append((count * dtype.itemsize, n_it, np.median(t[0]), np.median(t[1]), np.percentile(t[0], 90),
-                     np.percentile(t[1], 90), sched.algorithm, sched.nchunks))
+        nbytes = count * dtype.itemsize
+        sched = comm.plan(nbytes)
+        inline = nbytes <= comm.inline_bytes   # reduced from the shared-memory board, no schedule
+        rows.append((nbytes, n_it, np.median(t[0]), np.median(t[1]), np.percentile(t[0], 90),
+                     np.percentile(t[1], 90), "inline" if inline else sched.algorithm, "-" if inline else sched.nchunks))
     if args.profile:
         import cProfile
         import pstats

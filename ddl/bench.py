@@ -299,12 +299,18 @@ class DdlImpl:
         self.memory = memory
         self.op = {"sum": ddl.SUM, "max": ddl.MAX, "min": ddl.MIN}
         self.schedule = None
+        self.path = ""                 # what ran when no schedule did: "local" (1 rank) or "inline"
 
     def prepare_size(self, nbytes):
         """Plan outside the timed region; raises Skip when the algorithm cannot plan this size."""
+        self.schedule = None
         if self.comm.size == 1:
-            self.schedule = None
+            self.path = "local"
             return
+        if self.memory.name == "cpu" and nbytes <= self.comm.inline_bytes:
+            self.path = "inline"       # reduced from the shared-memory agreement board: no schedule runs
+            return
+        self.path = ""
         try:
             self.schedule = self.comm.plan(nbytes)
         except PlanError as exc:
@@ -708,7 +714,7 @@ def _row(impl, nbytes, count, opts, nranks, times, wrong, bound, prediction, top
     seconds = statistics.median(times)
     row = {
         "impl": impl.name,
-        "algorithm": (prediction[0] if prediction else ("local" if nranks == 1 else "")) if impl.kind == "ddl"
+        "algorithm": (prediction[0] if prediction else impl.path) if impl.kind == "ddl"
         else getattr(impl, "library", impl.name),
         "collective": "allreduce",
         "bytes": nbytes,

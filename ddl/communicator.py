@@ -117,9 +117,23 @@ class Request:
 _LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce",
                       "reduce_scatter": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
                       "allgather": "allgather", "allgather_inplace": "allgather", "broadcast": "broadcast"}
-# Allreduces of at most inline_bytes on one node post their input with the agreement and
-# are reduced from the board (see Engine._reduce_posted): no message at all.
-_INLINE_LAYOUTS = ("allreduce", "allreduce_inplace")
+_NOTHING = np.empty(0, np.uint8)
+
+
+def _inline_input(layout, send, recv, count, itemsize, root, rank, size, limit):
+    """What this rank posts on the agreement board when the collective goes inline (every rank
+    decides alike: it is a function of the signature), or None when it runs its schedule. A rank
+    that contributes nothing (a broadcast's non-roots) posts an empty array. See Engine._complete_inline."""
+    if layout == "broadcast":
+        return (recv if rank == root else _NOTHING) if count * itemsize <= limit else None
+    if layout.startswith("allgather"):
+        n = count // size
+        if n * itemsize > limit:
+            return None
+        return send if send is not None else recv[rank * n:(rank + 1) * n]
+    if count * itemsize > limit:   # allreduce, reduce-scatter: the whole input
+        return None
+    return send if send is not None else recv
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
           "broadcast": "Bcast"}
 
@@ -222,8 +236,9 @@ class Communicator:
         if not 0 <= inline <= limit:
             raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
                         f"on {self.size} ranks, got {inline}")
-        self.inline_bytes = (inline if use_board and planner is None and self._algorithm_of("allreduce") == "auto"
-                             else 0)
+        self._inline = {c: inline if use_board and planner is None and self._algorithm_of(c) == "auto" else 0
+                        for c in _LABEL}
+        self.inline_bytes = self._inline["allreduce"]
         self._agree_on_setup()
         if use_board:
             self._board = ShmBoard(self._pcomm)
@@ -270,7 +285,7 @@ class Communicator:
         """All ranks must plan on the same topology with the same algorithm and check mode."""
         if self.size == 1:
             return
-        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement, self.inline_bytes)
+        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement, sorted(self._inline.items()))
         buf = np.array([h, -h, 0, 0], np.int64)
         self._pcomm.Allreduce(buf[:2], buf[2:], self._MPI.MAX)
         if buf[2] == -buf[3]:
@@ -348,11 +363,11 @@ class Communicator:
     def plan(self, nbytes_or_buffer, collective="allreduce", root=0):
         """The :class:`~ddl.schedule.Schedule` that would run for this size (bytes) or buffer.
 
-        (An allreduce of at most :attr:`inline_bytes` runs on the shared-memory agreement board
-        instead: every rank posts its input beside its signature and reduces all of them in rank
-        order. ``inline_bytes`` is ``min(128 KiB, 1 MiB / ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it
-        off) with ``algorithm="auto"`` and ddl's planner when all ranks share a node and the check is
-        ``"always"``, else 0.)"""
+        (A collective whose per-rank input is at most :attr:`inline_bytes` runs on the shared-memory
+        agreement board instead: every rank posts its input beside its signature and computes the
+        result from all of them, reducing in rank order. ``inline_bytes`` is ``min(128 KiB, 1 MiB /
+        ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it off) with ``algorithm="auto"`` and ddl's planner
+        when all ranks share a node and the check is ``"always"``, else 0.)"""
         if isinstance(nbytes_or_buffer, (int, np.integer)):
             nbytes = int(nbytes_or_buffer)
         else:
@@ -424,8 +439,9 @@ class Communicator:
         else:
             check = False
         ex = Execution(plan, seq, sig, check, label, send, recv, finish)
-        if count * dtype.itemsize <= self.inline_bytes and layout in _INLINE_LAYOUTS:
-            ex.inline = recv if send is None else send
+        limit = self._inline[plan.schedule.collective]
+        if limit:
+            ex.inline = _inline_input(layout, send, recv, count, dtype.itemsize, root, self.rank, self.size, limit)
         ex.sig_hash = sig.hash(seq)
         ex.salt = sig.base
         self._engine.start(ex)

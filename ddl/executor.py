@@ -44,14 +44,14 @@ Execution rules
   ``sendbuf`` is ever made. Reduce-scatter keeps blocks other than its own in a cached workspace;
   allgather reads its own block from ``sendbuf`` and copies it into ``recvbuf`` once.
 
-Inline allreduce: on one node (shared-memory agreement, ``check="always"``, ``algorithm="auto"``), an
-allreduce of at most ``Communicator.inline_bytes`` (``min(128 KiB, 1 MiB / p)``) does not run its
-schedule: each rank posts its input beside its signature on the :class:`~ddl.agreement.ShmBoard`, and
-once every rank has posted (the agreement) each reduces all posted rows itself, in rank order
-(:meth:`Engine._reduce_posted`). No message at all: on an oversubscribed node every message hop costs a
-scheduling round, so this is what makes small allreduces cheap. Whether a call goes inline is a
-function of its signature, so a rank whose call differs still meets the others on the board and gets
-the :class:`~ddl.MismatchError`.
+Inline collectives: on one node (shared-memory agreement, ``check="always"``, ``algorithm="auto"``), a
+collective whose per-rank input is at most ``Communicator.inline_bytes`` (``min(128 KiB, 1 MiB / p)``)
+does not run its schedule: each rank posts its input beside its signature on the
+:class:`~ddl.agreement.ShmBoard`, and once every rank has posted (the agreement) each computes its
+result from the posted rows itself, reducing in rank order (:meth:`Engine._complete_inline`). No
+message at all: on an oversubscribed node every message hop costs a scheduling round, so this is what
+makes small collectives cheap. Whether a call goes inline is a function of its signature, so a rank
+whose call differs still meets the others on the board and gets the :class:`~ddl.MismatchError`.
 
 Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement board, see
 :class:`ddl.agreement.ShmBoard`), and when nothing completed:
@@ -308,7 +308,7 @@ class Execution:
         self.warned = False
         self.agree_done = False
         self.check_buf = self.gather_buf = None
-        self.inline = None  # an allreduce small enough to ride on the agreement board: its input
+        self.inline = None  # a collective small enough to ride on the agreement board: what it posts
 
 
 class Doorbell:
@@ -649,7 +649,7 @@ class Engine:
             ex.t_progress = self._now
             if board.agreed(ex.seq):
                 if ex.inline is not None:
-                    self._reduce_posted(ex)
+                    self._complete_inline(ex)
                     board.finish(ex.seq)
                     self._finish(ex)
                 else:
@@ -662,16 +662,32 @@ class Engine:
                 self._fail(ex, mismatch_error(table, ex.seq, self.rank))
         return progressed
 
-    def _reduce_posted(self, ex):
-        """Inline allreduce: every rank posted its input with its signature, so the agreement is the
-        whole collective. Each rank reduces all the posted rows itself, in rank order (row 0 op row 1,
-        then op row 2, ...): the same expression on every rank, bitwise identical results."""
+    def _complete_inline(self, ex):
+        """Inline collective: every rank posted its input with its signature, so the agreement is the
+        whole collective. Each rank computes its result from the posted rows itself; reductions go in
+        rank order (row 0 op row 1, then op row 2, ...): the same expression on every rank, bitwise
+        identical results."""
         plan = ex.plan
+        layout, p, rank = plan.layout, self.size, self.rank
+        recv = ex.bufs[B_RECV].reshape(-1)
+        if layout == "broadcast":
+            root = plan.schedule.root
+            if rank != root:
+                recv[...] = self.board.posted(ex.seq, plan.count, plan.dtype)[root]
+            return
+        if layout.startswith("allgather"):
+            n = plan.count // p
+            recv.reshape(p, n)[...] = self.board.posted(ex.seq, n, plan.dtype)
+            return
         rows = self.board.posted(ex.seq, plan.count, plan.dtype)
-        out = ex.bufs[B_RECV].reshape(-1)
+        out = recv
+        if layout.startswith("reduce_scatter"):   # the in-place finisher moves block `rank` to the front
+            n = plan.count // p
+            rows = rows[:, rank * n:(rank + 1) * n]
+            out = recv[:n] if layout == "reduce_scatter" else recv[rank * n:(rank + 1) * n]
         ufunc = plan.ufunc
         ufunc(rows[0], rows[1], out=out)
-        for r in range(2, self.size):
+        for r in range(2, p):
             ufunc(out, rows[r], out=out)
 
     # ---- progress ---------------------------------------------------------------------------------

@@ -327,6 +327,33 @@ def check_inline():
         comm.Allreduce(x[r], avg, op=ddl.AVG)
         chk.ok(np.allclose(avg, ref / p, rtol=1e-5, atol=1e-5), f"AVG of {count} float32")
         chk.same_everywhere(f"AVG of {count} float32", avg)
+    # the other collectives take the same path up to the limit (per-rank input), the schedule above it
+    m = limit // 8                         # float64 elements that fit
+    for n in (max(m // p, 1), m // p + 1):  # reduce-scatter: each rank's input is n * p elements
+        x = [inputs(k, np.dtype(np.float64), n * p, ddl.SUM) for k in range(p)]
+        out = np.empty(n, np.float64)
+        comm.Reduce_scatter_block(x[r], out, op=ddl.SUM)
+        ref = functools.reduce(np.add, x)[r * n:(r + 1) * n]
+        chk.ok(np.allclose(out, ref, rtol=1e-12, atol=1e-12), f"Reduce_scatter_block of {n}x{p} float64")
+        if n * p <= m and comm.inline_bytes:   # reduced from the board in rank order
+            chk.ok(np.array_equal(out, ref), "inline reduce-scatter is not the rank-order reduction")
+        inplace = x[r].copy()
+        comm.Reduce_scatter_block(ddl.IN_PLACE, inplace, op=ddl.SUM)
+        chk.ok(np.array_equal(inplace[:n], out), f"Reduce_scatter_block IN_PLACE of {n}x{p} float64")
+    for n in (max(m, 1), m + 1):           # allgather and broadcast: each rank's input is n elements
+        x = [inputs(k, np.dtype(np.float64), n, ddl.MAX) for k in range(p)]
+        g = np.empty(n * p, np.float64)
+        comm.Allgather(x[r], g)
+        want = np.concatenate(x)
+        chk.ok(np.array_equal(g, want), f"Allgather of {n} float64")
+        gi = np.zeros(n * p, np.float64)
+        gi[r * n:(r + 1) * n] = x[r]
+        comm.Allgather(ddl.IN_PLACE, gi)
+        chk.ok(np.array_equal(gi, want), f"Allgather IN_PLACE of {n} float64")
+        for root in sorted({0, p - 1}):
+            b = x[r].copy()
+            comm.Bcast(b, root=root)
+            chk.ok(np.array_equal(b, x[root]), f"Bcast of {n} float64 from {root}")
     # inline and scheduled requests in flight together, waited in reverse order
     small = [np.full(3, r + i, np.int64) for i in range(4)]
     big = np.full(5000, r, np.int64)
