@@ -1,0 +1,64 @@
+"""Small collectives: ddl against the MPI library's own, every collective, same run, same buffers.
+
+    mpiexec -n 8 python benchmarks/bench_small.py [--bytes 8] [--iters 2000] [--rounds 10]
+
+Per-rank input of ``--bytes`` (float32). Each round times a block of back-to-back ddl calls, then a
+block of MPI calls (after a barrier each; a call's time is the block time over its length, maximum over
+ranks); the table shows medians over rounds. On one node with ``algorithm="auto"`` these sizes take
+ddl's inline path (see ``Communicator.inline_bytes``); ``DDL_INLINE_BYTES=0`` shows the schedules.
+"""
+import argparse
+
+import numpy as np
+from mpi4py import MPI
+
+import ddl
+from ddl.units import format_size, parse_size
+
+
+def timed(world, fn, calls):
+    world.Barrier()
+    t0 = MPI.Wtime()
+    for _ in range(calls):
+        fn()
+    return world.allreduce((MPI.Wtime() - t0) / calls, op=MPI.MAX)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bytes", default="8", help="per-rank input size (default 8)")
+    ap.add_argument("--iters", type=int, default=2000, help="calls per collective and side (default 2000)")
+    ap.add_argument("--rounds", type=int, default=10, help="alternating ddl/MPI blocks (default 10)")
+    args = ap.parse_args(argv)
+    world = MPI.COMM_WORLD
+    comm = ddl.Communicator(world)
+    p = world.size
+    n = max(1, parse_size(args.bytes) // 4)
+    x = np.ones(n, np.float32)
+    out, big, gathered = np.empty(n, np.float32), np.ones(n * p, np.float32), np.empty(n * p, np.float32)
+    cases = {
+        "Allreduce": (lambda: comm.Allreduce(x, out), lambda: world.Allreduce(x, out)),
+        "Bcast": (lambda: comm.Bcast(out, root=0), lambda: world.Bcast(out, root=0)),
+        "Allgather": (lambda: comm.Allgather(x, gathered), lambda: world.Allgather(x, gathered)),
+        "Reduce_scatter_block": (lambda: comm.Reduce_scatter_block(big, out),
+                                 lambda: world.Reduce_scatter_block(big, out)),
+    }
+    block = max(1, args.iters // args.rounds)
+    rows = []
+    for name, (mine, theirs) in cases.items():
+        for _ in range(20):
+            mine(), theirs()
+        t = np.array([(timed(world, mine, block), timed(world, theirs, block)) for _ in range(args.rounds)])
+        rows.append((name, np.median(t[:, 0]), np.median(t[:, 1])))
+    if world.rank == 0:
+        path = "inline" if n * 4 <= comm.inline_bytes else "schedule"
+        print(f"{p} ranks, {format_size(n * 4)} per rank ({path}; inline_bytes {comm.inline_bytes}), "
+              f"{args.rounds} rounds of {block} calls")
+        print(f"{'collective':<22} {'ddl':>9} {'MPI':>9} {'ddl/MPI':>8}")
+        for name, a, m in rows:
+            print(f"{name:<22} {a * 1e6:>7.0f}us {m * 1e6:>7.0f}us {a / m:>8.2f}")
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()
