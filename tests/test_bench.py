@@ -77,11 +77,12 @@ def test_table_and_plot_under_mpiexec(topo_file, env, tmp_path):
 @needs_mpi
 def test_json_fields_launching_mpiexec_itself(topo_file, env):
     p = bench([topo_file, "--bytes", "64", "--max-bytes", "1KiB", "--factor", "4", "--iters", "3",
-               "--peers", "mpi", "--json"], env, mpi=None)
+               "--algorithms", "ring", "--peers", "mpi", "--json"], env, mpi=None)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "launching 2 ranks on this machine" in p.stderr
     rows = json.loads(p.stdout)
-    assert [(r["impl"], r["bytes"]) for r in rows] == [(i, n) for n in (64, 256, 1024) for i in ("ddl", "mpi")]
+    assert [(r["impl"], r["bytes"]) for r in rows] == [(i, n) for n in (64, 256, 1024)
+                                                       for i in ("ddl", "ddl:ring", "mpi")]
     for r in rows:
         for key in ("impl", "bytes", "seconds", "algbw", "busbw", "correct", "wrong", "count", "times",
                     "predicted_seconds", "bound_seconds"):
@@ -91,8 +92,10 @@ def test_json_fields_launching_mpiexec_itself(topo_file, env):
         assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
         assert r["busbw"] == pytest.approx(r["algbw"])  # 2(p-1)/p = 1 on 2 ranks
         assert r["bound_seconds"] > 0
-        if r["impl"] == "ddl":
-            assert r["predicted_seconds"] >= r["bound_seconds"] * 0.999 and r["algorithm"]
+        if r["impl"] == "ddl":         # auto on one node: these sizes go inline, no schedule to predict
+            assert r["algorithm"] == "inline" and r["predicted_seconds"] is None
+        elif r["impl"] == "ddl:ring":
+            assert r["predicted_seconds"] >= r["bound_seconds"] * 0.999 and r["algorithm"] == "ring"
         else:
             assert r["predicted_seconds"] is None
 
