@@ -208,7 +208,7 @@ class ShmBoard:
     """
 
     DEPTH = 64
-    # Data posted with a signature (inline allreduce, see ddl.executor): up to inline_limit(p) bytes per
+    # Data posted with a signature (inline collectives, see ddl.executor): up to inline_limit(p) bytes per
     # rank, in PAYLOAD_DEPTH slots of their own (so the window stays small: 4 MiB at most).
     INLINE_MAX = 128 << 10
     INLINE_SLOT = 1 << 20      # bytes of one payload slot, all ranks together

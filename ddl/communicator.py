@@ -134,6 +134,8 @@ def _inline_input(layout, send, recv, count, itemsize, root, rank, size, limit):
     if count * itemsize > limit:   # allreduce, reduce-scatter: the whole input
         return None
     return send if send is not None else recv
+
+
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
           "broadcast": "Bcast"}
 
@@ -230,7 +232,7 @@ class Communicator:
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
         use_board = self.size > 1 and check == "always" and local == self.size and agreement != "mpi"
         self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
-        # auto, with ddl's planner, on one node: the smallest allreduces ride on the agreement board
+        # auto, with ddl's planner, on one node: the smallest collectives ride on the agreement board
         limit = ShmBoard.inline_limit(self.size)
         inline = int(_env_float("DDL_INLINE_BYTES", limit))
         if not 0 <= inline <= limit:
