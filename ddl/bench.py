@@ -258,9 +258,6 @@ class HostMemory:
     def upload_into(self, dst, host):
         np.copyto(dst, host)
 
-    def copy(self, dst, src):
-        np.copyto(dst, src)
-
     def poison(self, a):
         poison(a)
 
@@ -751,8 +748,9 @@ def _header(opts, topo, model, nranks, impls, memory):
         names.append(impl.name if impl.kind == "ddl" else f"{impl.name} ({impl.library})")
     lines = [f"# ddl bench: allreduce on {nranks} ranks, {where}"
              + (f", emulated cluster {emulated!r}" if emulated else ""),
-             f"# {opts.dtype}, {opts.op}, buffers in {memory.label}; {opts.iters} iterations (+{opts.warmup} warm-up) per size and "
-             f"implementation; time = median over iterations of the slowest rank (barrier before each)",
+             f"# {opts.dtype}, {opts.op}, buffers in {memory.label}; {opts.iters} iterations "
+             f"(+{opts.warmup} warm-up) per size and implementation; time = median over iterations of the "
+             f"slowest rank (barrier before each)",
              f"# implementations: {', '.join(names)}",
              "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm"]
     title = f"allreduce {opts.dtype}, {nranks} ranks, " + (topo.name if topo is not None else "flat")

@@ -287,7 +287,8 @@ class Communicator:
         """All ranks must plan on the same topology with the same algorithm and check mode."""
         if self.size == 1:
             return
-        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement, sorted(self._inline.items()))
+        h = digest62(self._topology_digest, repr(self.algorithm), self.check, self.agreement,
+                     sorted(self._inline.items()))
         buf = np.array([h, -h, 0, 0], np.int64)
         self._pcomm.Allreduce(buf[:2], buf[2:], self._MPI.MAX)
         if buf[2] == -buf[3]:

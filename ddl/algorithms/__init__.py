@@ -3,7 +3,8 @@
 ``ALGORITHMS`` maps a name to ``fn(topo, collective, *, root=0, nbytes=None) -> Schedule``; ``fn``
 raises :class:`ddl.PlanError` when it does not apply. ``nbytes`` only chooses the pipelining depth.
 Each family also offers a topology-free builder on a rank order (``ring_schedule``,
-``halving_doubling_schedule``, ``recursive_doubling_schedule``, ``dbt_schedule``, ``hierarchical_schedule``) for tests and tools.
+``halving_doubling_schedule``, ``recursive_doubling_schedule``, ``dbt_schedule``,
+``hierarchical_schedule``) for tests and tools.
 
 * ``ring`` -- topology-aware ring (NCCL-style order), all four collectives;
 * ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
@@ -41,4 +42,5 @@ ALGORITHMS = {
 
 __all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow",
            "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
-           "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule", "hierarchical_schedule"]
+           "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
+           "hierarchical_schedule"]

@@ -60,9 +60,6 @@ class DeviceMemory:
     def upload_into(self, dst, host):
         dst.set(host)
 
-    def copy(self, dst, src):
-        self.cp.copyto(dst, src)
-
     def poison(self, a):
         a.fill(np.nan if a.dtype.kind == "f" else -1)
 
