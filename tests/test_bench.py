@@ -138,18 +138,8 @@ import numpy as np
 from mpi4py import MPI
 from ddl import bench
 from ddl.gpu.executor import HostRuntime, NcclExecutor
-
-class HostArray:
-    # host memory presented as a device array (``__cuda_array_interface__``)
-    def __init__(self, a):
-        self.a = a
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
-                "strides": None, "version": 3}
-    @property
-    def dtype(self):
-        return self.a.dtype
+sys.path.insert(0, "tests/mpi_cases")   # run from the repository root
+from _host_array import HostArray
 
 class PosingMemory(bench.HostMemory):
     # the benchmark's device memory interface on host arrays, with ddl's device executor on host memory

@@ -990,15 +990,8 @@ _MPI_SCRIPT = textwrap.dedent('''
     from mpi4py import MPI
     import ddl
     from ddl.gpu.executor import HostRuntime, NcclExecutor
-
-    class HostArray:
-        """Host memory presented as a device array: exercises the device executor on the CPU."""
-        def __init__(self, a):
-            self.a = a
-        @property
-        def __cuda_array_interface__(self):
-            return {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (self.a.ctypes.data, False),
-                    "strides": None, "version": 3}
+    sys.path.insert(0, "tests/mpi_cases")   # run from the repository root
+    from _host_array import HostArray       # exercises the device executor on the CPU
 
     path = sys.argv[1]
     world = MPI.COMM_WORLD

@@ -31,10 +31,8 @@ def halving_doubling_schedule(order, collective, k=1, algorithm=NAME, **info):
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, 0, SUPPORTED)
-    m = 1 << (p.bit_length() - 1)
-    extra = p - m
-    active = [order[2 * j] if j < extra else order[j + extra] for j in range(m)]
-    partner_of = {order[2 * j]: order[2 * j + 1] for j in range(extra)}   # even -> odd of each pair
+    active, partner_of = fold(order)
+    m = len(active)
     if collective == "allreduce":
         b = ScheduleBuilder(collective, p, (1,) * (m * k), algorithm=algorithm)
         segments = [list(range(j * k, (j + 1) * k)) for j in range(m)]
@@ -71,6 +69,17 @@ def halving_doubling_schedule(order, collective, k=1, algorithm=NAME, **info):
                 b.transfer(even, odd, c)
     return b.build(order=order, active=active, folded_pairs=[[o, e] for e, o in partner_of.items()],
                    halving_bits=bits, chunks_per_segment=k, **info)
+
+
+def fold(order):
+    """The non-power-of-two rule of the doubling algorithms: ``(active, folded)``. ``active`` lists
+    the ``m = 2**floor(log2 p)`` ranks that take part in the doubling, by position; ``folded`` maps the
+    even rank of each of the first ``p - m`` pairs of ``order`` to the odd one folded into it."""
+    p = len(order)
+    m = 1 << (p.bit_length() - 1)
+    extra = p - m
+    active = [order[2 * j] if j < extra else order[j + extra] for j in range(m)]
+    return active, {order[2 * j]: order[2 * j + 1] for j in range(extra)}
 
 
 def _halving(b, active, segments, bits):

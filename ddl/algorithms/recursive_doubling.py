@@ -20,6 +20,7 @@ Chunks: the buffer is cut into ``k = pipeline_depth(nbytes)`` chunks, so a large
 through the rounds.
 """
 from ..schedule import ScheduleBuilder
+from .halving_doubling import fold
 from .ring import check_request, nested_order, pipeline_depth, rank_partitions
 
 NAME = "recursive-doubling"
@@ -31,10 +32,8 @@ def recursive_doubling_schedule(order, collective="allreduce", k=1, algorithm=NA
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, 0, SUPPORTED)
-    m = 1 << (p.bit_length() - 1)
-    extra = p - m
-    active = [order[2 * j] if j < extra else order[j + extra] for j in range(m)]
-    folded = {order[2 * j]: order[2 * j + 1] for j in range(extra)}    # even -> odd of each pair
+    active, folded = fold(order)        # even -> odd of each folded pair
+    m = len(active)
     b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
     chunks = range(k)
     for even, odd in folded.items():

@@ -14,9 +14,8 @@ object (where buffers are made, poisoned, read back, and how a timed call waits 
 A timed call ends when the device has finished (the current stream is synchronised), for every
 implementation alike.
 """
-import numpy as np
 
-from ..bench import Skip
+from ..bench import Skip, poison
 from ..errors import Error
 
 
@@ -61,7 +60,7 @@ class DeviceMemory:
         dst.set(host)
 
     def poison(self, a):
-        a.fill(np.nan if a.dtype.kind == "f" else -1)
+        poison(a)               # CuPy arrays fill like numpy ones
 
     def sync(self):
         self.cp.cuda.get_current_stream().synchronize()
