@@ -1,11 +1,12 @@
 """How planning time grows with the cluster: auto's full plan (every algorithm built, verified and
 simulated) of a 256 MiB allreduce on three-tier clusters of 4 GPUs x 16 hosts x R racks.
 
-    python benchmarks/bench_plan_scale.py [--racks 3,4,8,16] [--bytes 256MiB]
+    python benchmarks/bench_plan_scale.py [--racks 3,4,8,16] [--bytes 256MiB] [--workers N]
 
 No plan cache is used, so every row is a cold plan. Prints ranks, seconds, the choice and its size.
 """
 import argparse
+import os
 import time
 
 from ddl.planner import Planner
@@ -24,13 +25,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--racks", default="3,4,8,16", help="comma-separated rack counts (64 ranks per rack)")
     ap.add_argument("--bytes", default="256MiB")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="processes that simulate the candidates (default: one per core)")
     args = ap.parse_args(argv)
     nbytes = parse_size(args.bytes)
     print(f"{'ranks':>6} {'plan (s)':>9}  {'auto picks':<22} {'operations':>10}")
     for racks in (int(r) for r in args.racks.split(",")):
         topo = three_tier(racks)
         t0 = time.perf_counter()
-        plan = Planner(topo, use_disk_cache=False).plan("allreduce", nbytes)
+        plan = Planner(topo, use_disk_cache=False, workers=args.workers).plan("allreduce", nbytes)
         seconds = time.perf_counter() - t0
         print(f"{topo.nranks:>6} {seconds:>9.1f}  {plan.algorithm:<22} {plan.schedule.nops:>10}", flush=True)
 

@@ -1,7 +1,8 @@
 """Choosing a schedule: build every applicable algorithm, predict, pick the fastest, cache.
 
 The planner is pure (no MPI, no GPU) and deterministic. For a collective of ``nbytes`` on a topology
-it builds each registered algorithm's schedule, predicts its time with the simulator, and picks the
+it builds each registered algorithm's schedule (but not one that can only repeat another candidate's
+there, :data:`ddl.algorithms.REDUNDANT`), predicts its time with the simulator, and picks the
 fastest (ties go to the algorithm registered first, which lists the simpler ones first). The answer
 also reports the lower bound, so every choice comes with its distance from the optimum.
 
@@ -13,7 +14,9 @@ with its plans, and plans chosen by an older cost model are not reused.
 """
 import hashlib
 import json
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule
 
 AUTO = "auto"
+# Candidates with fewer operations than this in all are simulated in this process: forking costs more.
+PARALLEL_MIN_OPS = 100_000
 # Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
 # registered algorithms is part of the cache key anyway).
 PLANNER_REVISION = 3
@@ -42,6 +47,7 @@ class Plan:
     verified: bool = False
     reason: str = ""
     busiest: tuple = ()
+    skipped: dict = field(default_factory=dict)   # algorithm -> why it was not planned here
 
     @property
     def gap(self):
@@ -79,8 +85,12 @@ def algorithm_names():
 class Planner:
     """Plans collectives on one topology, with an in-memory and an on-disk cache."""
 
-    def __init__(self, topo, cache_dir=None, use_disk_cache=None):
+    def __init__(self, topo, cache_dir=None, use_disk_cache=None, workers=1):
+        """``workers``: processes that simulate the candidates of a cold plan (they are independent,
+        and simulation is most of a large cluster's plan time). More than 1 needs the ``fork`` start
+        method; keep 1 inside MPI jobs, where forking a process that holds MPI state is unsafe."""
         self.topo = topo
+        self.workers = max(1, int(workers))
         if use_disk_cache is None:
             use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "1") != "0"
         base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
@@ -108,24 +118,30 @@ class Planner:
     # ---- full plans (with predictions, for users and the CLI) -----------------------------------
     def plan(self, collective, nbytes, algorithm=AUTO, root=0):
         """Build, predict and compare; see :class:`Plan`."""
+        from .algorithms import REDUNDANT
         from .bounds import lower_bound
-        from .simulate import simulate
 
         _check_collective(collective)
-        candidates = {}
+        built = {}
         names = algorithm_names() if algorithm == AUTO else [algorithm]
         if algorithm != AUTO and algorithm not in algorithm_names():
             raise PlanError(f"unknown algorithm {algorithm!r}; choose one of: auto, {', '.join(algorithm_names())}")
         skipped = {}
         for name in (algorithm_names() if algorithm == AUTO else names + algorithm_names()):
-            if name in candidates or name in skipped:
+            if name in built or name in skipped:
+                continue
+            redundant = REDUNDANT.get(name) if name != algorithm else None
+            if redundant is not None and (why := redundant(self.topo)):
+                skipped[name] = why
                 continue
             try:
                 sched = self._build(name, collective, nbytes, root)
             except PlanError as exc:
                 skipped[name] = str(exc)
                 continue
-            candidates[name] = (sched, simulate(self.topo, sched, nbytes))
+            built[name] = sched
+        predicted = _predict(self.topo, built, nbytes, self.workers)
+        candidates = {name: (sched, predicted[name]) for name, sched in built.items()}
         if algorithm != AUTO and algorithm not in candidates:
             raise PlanError(f"algorithm {algorithm!r} cannot plan {collective} here: {skipped.get(algorithm)}")
         if not candidates:
@@ -138,7 +154,7 @@ class Planner:
         reason = _explain(chosen, algorithm, sim.seconds, baselines, bound, nbytes)
         self._schedules.setdefault((collective, root, algorithm, size_class(nbytes)), sched)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
-                    bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest))
+                    bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped)
 
     def _build(self, name, collective, nbytes, root):
         from .algorithms import ALGORITHMS
@@ -176,6 +192,35 @@ class Planner:
             os.replace(tmp, self._path(key))
         except OSError:
             pass  # a read-only home must not stop training; the memory cache still works
+
+
+_FORKED = None     # (topo, schedules, nbytes) that forked workers inherit instead of unpickling
+
+
+def _predict(topo, schedules, nbytes, workers):
+    """``{name: Simulation}`` for every schedule in ``schedules`` (name -> Schedule), in ``workers``
+    forked processes when that pays, the largest schedules first so that the pool ends together."""
+    from .simulate import simulate
+
+    global _FORKED
+    if (workers <= 1 or len(schedules) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
+            or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
+        return {name: simulate(topo, sched, nbytes) for name, sched in schedules.items()}
+    _FORKED = (topo, schedules, nbytes)
+    try:
+        with ProcessPoolExecutor(min(workers, len(schedules)), mp_context=multiprocessing.get_context("fork")) as pool:
+            jobs = {name: pool.submit(_simulate_forked, name)
+                    for name in sorted(schedules, key=lambda n: -schedules[n].nops)}
+            return {name: jobs[name].result() for name in schedules}
+    finally:
+        _FORKED = None
+
+
+def _simulate_forked(name):
+    from .simulate import simulate
+
+    topo, schedules, nbytes = _FORKED
+    return simulate(topo, schedules[name], nbytes)
 
 
 def _check_collective(collective):

@@ -23,7 +23,7 @@ Simpler algorithms are listed first: the planner breaks ties in favour of the ea
 from .double_binary_tree import dbt_schedule, double_binary_tree
 from .halving_doubling import halving_doubling, halving_doubling_schedule
 from .hierarchical import hierarchical, hierarchical_schedule
-from .multicommodity_flow import multicommodity_flow
+from .multicommodity_flow import multicommodity_flow, repeats_a_base
 from .recursive_doubling import recursive_doubling, recursive_doubling_schedule
 from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
@@ -40,7 +40,13 @@ ALGORITHMS = {
     "multicommodity-flow": multicommodity_flow,
 }
 
-__all__ = ["ALGORITHMS", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow",
+# ``auto`` need not build an algorithm whose schedule can only equal another candidate's: these say why
+# (a reason) on a given topology, or None. An explicit request still builds it.
+REDUNDANT = {
+    "multicommodity-flow": repeats_a_base,
+}
+
+__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow",
            "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
            "hierarchical_schedule"]

@@ -84,7 +84,7 @@ _CACHE_SIZE = 64           # routings and fabrics kept per process
 _PLAN_CACHE_SIZE = 16      # schedules kept per process (a 192-rank ring has ~150k operations)
 
 __all__ = ["Routing", "route_commodities", "solve_commodities", "pair_demands", "schedule_phases",
-           "multicommodity_flow", "default_routes", "rounds_estimate"]
+           "multicommodity_flow", "default_routes", "rounds_estimate", "repeats_a_base"]
 
 
 class Routing(NamedTuple):
@@ -734,6 +734,20 @@ def multicommodity_flow(topo, collective, *, root=0, nbytes=None, bases=BASES):
     }
     sched = _with_routes(base, routes, NAME, _jsonable(info))
     return _remember(_PLAN_CACHE, key, sched, _PLAN_CACHE_SIZE)
+
+
+def repeats_a_base(topo):
+    """Why this algorithm can only repeat one of its bases on ``topo``, or None.
+
+    When the fabric's undirected graph is a forest there is one path between any two ranks: the LP has
+    nothing to choose and the result is a base schedule with its own routes. The planner builds and
+    simulates every base anyway, so ``auto`` skips this one there (the three-tier trees of large
+    clusters, where routing their traffic costs seconds and can gain nothing)."""
+    import networkx as nx
+
+    if nx.is_forest(nx.Graph(topo.usable_graph())):
+        return "one path per rank pair (a tree-shaped fabric): nothing to route, it would repeat its base"
+    return None
 
 
 def _evaluate(topo, name, base, size):

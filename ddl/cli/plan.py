@@ -1,5 +1,6 @@
 """``ddl plan``: plan a collective on a topology file and explain the choice."""
 import json
+import os
 
 from ..errors import PlanError
 from ..schedule import COLLECTIVES
@@ -20,6 +21,8 @@ def register(sub):
     p.add_argument("--root", type=int, default=0, help="root rank for broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
     p.add_argument("--save", metavar="FILE.json", help="write the chosen schedule as JSON")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="processes that simulate the candidates of a cold plan (default: one per core)")
     p.add_argument("--compare", action="store_true",
                    help="one table: auto against ring, halving-doubling and double-binary-tree per file")
     p.set_defaults(func=run)
@@ -40,7 +43,7 @@ def run(args):
         topo = Topology.load(path)
         if not 0 <= args.root < topo.nranks:
             raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
-        plans.append((path, topo, Planner(topo).plan(args.collective, nbytes, args.algorithm, args.root)))
+        plans.append((path, topo, Planner(topo, workers=args.workers).plan(args.collective, nbytes, args.algorithm, args.root)))
     if args.save:
         plans[0][2].schedule.save(args.save)
     records = [_record(topo, plan) for _, topo, plan in plans]
@@ -74,6 +77,7 @@ def _record(topo, plan):
         "algbw": plan.nbytes / plan.predicted_seconds if plan.predicted_seconds else None,
         "busbw": busbw(plan.collective, plan.nbytes, plan.predicted_seconds, p) if plan.predicted_seconds else None,
         "baselines": plan.baselines,
+        "not_planned": plan.skipped,
         "verified": plan.verified,
         "reason": plan.reason,
         "chunks": sched.nchunks,
@@ -101,6 +105,8 @@ def _explain(topo, plan):
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio:.2f}x the chosen time)")
+    for name, why in plan.skipped.items():
+        lines.append(f"  not planned: {name} ({why})")
     if plan.busiest:
         lines.append("busiest links")
         for (u, v), util, nbytes in plan.busiest:

@@ -1,0 +1,53 @@
+"""The planner's choice: which candidates it builds, and that simulating them in parallel changes nothing."""
+from pathlib import Path
+
+import pytest
+
+import ddl.planner as planner_module
+from ddl.cli import main
+from ddl.planner import Planner
+from ddl.topology import Topology
+
+ZOO = Path(__file__).resolve().parent.parent / "topologies"
+MCF = "multicommodity-flow"
+
+
+def _planner(name, **kw):
+    return Planner(Topology.load(ZOO / f"{name}.yaml"), use_disk_cache=False, **kw)
+
+
+def test_auto_skips_routing_where_every_rank_pair_has_one_path():
+    planner = _planner("emulated-2rack")
+    plan = planner.plan("allreduce", 64 << 20)
+    assert MCF not in plan.baselines and plan.algorithm != MCF
+    assert "one path per rank pair" in plan.skipped[MCF]
+    # asked for by name it is still built, and it is one of its bases with the same prediction
+    routed = planner.plan("allreduce", 64 << 20, MCF)
+    assert routed.algorithm == MCF and routed.verified
+    bases = {name: secs for name, secs in routed.baselines.items() if name in ("ring", "hierarchical", "tree-packing")}
+    assert routed.schedule.info["base_algorithm"] in bases
+    assert routed.predicted_seconds == pytest.approx(bases[routed.schedule.info["base_algorithm"]], rel=1e-9)
+    assert routed.predicted_seconds >= plan.predicted_seconds
+
+
+def test_auto_routes_where_the_fabric_has_several_paths():
+    plan = _planner("dgx-h100").plan("allreduce", 64 << 20)
+    assert MCF not in plan.skipped
+    assert MCF in plan.baselines or plan.algorithm == MCF
+
+
+def test_simulating_in_parallel_gives_the_serial_plan(monkeypatch):
+    serial = _planner("fat-tree-4x4-r8").plan("allreduce", 16 << 20)
+    monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
+    parallel = _planner("fat-tree-4x4-r8", workers=2).plan("allreduce", 16 << 20)
+    assert parallel.algorithm == serial.algorithm
+    assert parallel.predicted_seconds == serial.predicted_seconds
+    assert parallel.baselines == serial.baselines
+    assert parallel.busiest == serial.busiest
+
+
+def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--bytes", "1MiB", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"not planned: {MCF} (one path per rank pair" in out
