@@ -28,7 +28,7 @@ AUTO = "auto"
 PARALLEL_MIN_OPS = 100_000
 # Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
 # registered algorithms is part of the cache key anyway).
-PLANNER_REVISION = 3
+PLANNER_REVISION = 4
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Planner:
                 skipped[name] = str(exc)
                 continue
             built[name] = sched
-        predicted = _predict(self.topo, built, nbytes, self.workers)
+        predicted, proved = _predict(self.topo, built, nbytes, self.workers)
         candidates = {name: (sched, predicted[name]) for name, sched in built.items()}
         if algorithm != AUTO and algorithm not in candidates:
             raise PlanError(f"algorithm {algorithm!r} cannot plan {collective} here: {skipped.get(algorithm)}")
@@ -148,7 +148,7 @@ class Planner:
             raise PlanError(f"no algorithm can plan {collective} on {self.topo.name}: {skipped}")
         chosen = algorithm if algorithm != AUTO else min(candidates, key=lambda n: candidates[n][1].seconds)
         sched, sim = candidates[chosen]
-        verified = _verified(sched)
+        verified = chosen in proved or _verified(sched)
         bound = lower_bound(self.topo, collective, nbytes, root=root)
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
         reason = _explain(chosen, algorithm, sim.seconds, baselines, bound, nbytes)
@@ -198,28 +198,33 @@ _FORKED = None     # (topo, schedules, nbytes) that forked workers inherit inste
 
 
 def _predict(topo, schedules, nbytes, workers):
-    """``{name: Simulation}`` for every schedule in ``schedules`` (name -> Schedule), in ``workers``
-    forked processes when that pays, the largest schedules first so that the pool ends together."""
+    """``({name: Simulation}, names verified)`` for the schedules in ``schedules`` (name -> Schedule).
+
+    In this process nothing is verified here (the planner verifies only the one it picks). In
+    ``workers`` forked processes, when that pays, every worker also verifies what it simulated, since
+    the parent would otherwise prove the winner alone after the pool has finished; the largest
+    schedules go first so that the workers end together."""
     from .simulate import simulate
 
     global _FORKED
     if (workers <= 1 or len(schedules) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
             or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
-        return {name: simulate(topo, sched, nbytes) for name, sched in schedules.items()}
+        return {name: simulate(topo, sched, nbytes) for name, sched in schedules.items()}, set()
     _FORKED = (topo, schedules, nbytes)
     try:
         with ProcessPoolExecutor(min(workers, len(schedules)), mp_context=multiprocessing.get_context("fork")) as pool:
-            jobs = {name: pool.submit(_simulate_forked, name)
+            jobs = {name: pool.submit(_simulate_and_verify, name)
                     for name in sorted(schedules, key=lambda n: -schedules[n].nops)}
-            return {name: jobs[name].result() for name in schedules}
+            return {name: jobs[name].result() for name in schedules}, set(schedules)
     finally:
         _FORKED = None
 
 
-def _simulate_forked(name):
+def _simulate_and_verify(name):
     from .simulate import simulate
 
     topo, schedules, nbytes = _FORKED
+    _verified(schedules[name])
     return simulate(topo, schedules[name], nbytes)
 
 

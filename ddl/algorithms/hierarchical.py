@@ -25,6 +25,15 @@ Collectives: allreduce, reduce_scatter (block r ends on rank r: it is r's chunks
 broadcast (a pipelined chain per group, top stage first). Each stage is a ring in the topology-aware
 ring order. Chunks: ``k = pipeline_depth(nbytes, p)`` per target (see ring.pipeline_depth); broadcast
 ``k = pipeline_depth(nbytes, 1)``.
+
+Waves. A ring completes all its blocks together, so a stage cannot hand any share to the next
+before it ends, and the stages' times add up: the fast tiers idle while the slow one works. With
+several stages the programs therefore list the chunks in *waves*: chunk ``j`` of every target goes
+through every stage (up and back down) before chunk ``j+1`` is listed, and since operations on
+different chunks never wait on each other, wave ``j`` crosses the slow tier while wave ``j+1`` is
+reduced inside the fast ones. ``k`` chunks make ``k`` waves, and chunks go down to
+``WAVE_MIN_BYTES`` (512 KiB) for them. On the 192-rank three-tier cluster at 256 MiB this cuts the
+predicted time from 86 to 72 ms.
 """
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
@@ -32,6 +41,8 @@ from .ring import (check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_reduce_scatter)
 
 NAME = "hierarchical"
+# With several stages, chunks go down to this size so that there are waves to overlap.
+WAVE_MIN_BYTES = 512 << 10
 
 
 def stage_partitions(nranks, partitions):
@@ -54,9 +65,10 @@ def stage_partitions(nranks, partitions):
     return stages
 
 
-def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, **info):
+def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
-    of ``partitions`` (fastest first; see :func:`stage_partitions`)."""
+    of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
+    are split into ``waves`` (1..k) groups, each listed through every stage before the next."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -72,13 +84,16 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     else:
         b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
         targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
-    if collective in ("allreduce", "reduce_scatter"):
-        for s in range(1, len(stages) + 1):
-            _stage(b, s, holders, children, targets, pos, ring_reduce_scatter)
-    if collective != "reduce_scatter":
-        for s in range(len(stages), 0, -1):
-            _stage(b, s, holders, children, targets, pos, ring_allgather)
-    return b.build(order=order, chunks_per_target=k,
+    waves = max(1, min(int(waves), k))
+    for w in range(waves):
+        wave = {t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()}
+        if collective in ("allreduce", "reduce_scatter"):
+            for s in range(1, len(stages) + 1):
+                _stage(b, s, holders, children, wave, pos, ring_reduce_scatter)
+        if collective != "reduce_scatter":
+            for s in range(len(stages), 0, -1):
+                _stage(b, s, holders, children, wave, pos, ring_allgather)
+    return b.build(order=order, chunks_per_target=k, waves=waves,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -134,9 +149,14 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     check_request(NAME, collective, p, root)
     parts = rank_partitions(topo)
     order, _ = nested_order(p, parts, topo.route_bandwidth)
-    k = pipeline_depth(nbytes, 1 if collective == "broadcast" else p)
+    pieces = 1 if collective == "broadcast" else p
+    if len(stage_partitions(p, parts)) > 1:
+        k = pipeline_depth(nbytes, pieces, min_bytes=WAVE_MIN_BYTES)
+        waves = k
+    else:
+        k, waves = pipeline_depth(nbytes, pieces), 1
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
     stage_bw = [tier_bw.get(groups) for groups in stage_partitions(p, parts)]
-    return hierarchical_schedule(order, parts, collective, k, root,
+    return hierarchical_schedule(order, parts, collective, k, root, waves=waves,
                                  stage_bandwidths=[None if bw is None else float(bw) for bw in stage_bw])
