@@ -200,10 +200,10 @@ _FORKED = None     # (topo, schedules, nbytes) that forked workers inherit inste
 def _predict(topo, schedules, nbytes, workers):
     """``({name: Simulation}, names verified)`` for the schedules in ``schedules`` (name -> Schedule).
 
-    In this process nothing is verified here (the planner verifies only the one it picks). In
-    ``workers`` forked processes, when that pays, every worker also verifies what it simulated, since
-    the parent would otherwise prove the winner alone after the pool has finished; the largest
-    schedules go first so that the workers end together."""
+    Simulated here, none is verified (the planner then proves only the schedule it picks). Simulated
+    in ``workers`` forked processes, when that pays, each is also verified by its worker: otherwise
+    the parent would prove the winner alone after the pool has finished. The largest schedules go
+    first so that the workers end together."""
     from .simulate import simulate
 
     global _FORKED

@@ -46,7 +46,7 @@ REDUNDANT = {
     "multicommodity-flow": repeats_a_base,
 }
 
-__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "halving_doubling", "double_binary_tree", "hierarchical", "multicommodity_flow",
-           "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
+__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "halving_doubling", "double_binary_tree", "hierarchical",
+           "multicommodity_flow", "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
            "hierarchical_schedule"]

@@ -43,7 +43,8 @@ def run(args):
         topo = Topology.load(path)
         if not 0 <= args.root < topo.nranks:
             raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
-        plans.append((path, topo, Planner(topo, workers=args.workers).plan(args.collective, nbytes, args.algorithm, args.root)))
+        planner = Planner(topo, workers=args.workers)
+        plans.append((path, topo, planner.plan(args.collective, nbytes, args.algorithm, args.root)))
     if args.save:
         plans[0][2].schedule.save(args.save)
     records = [_record(topo, plan) for _, topo, plan in plans]
