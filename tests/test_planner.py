@@ -44,6 +44,17 @@ def test_simulating_in_parallel_gives_the_serial_plan(monkeypatch):
     assert parallel.predicted_seconds == serial.predicted_seconds
     assert parallel.baselines == serial.baselines
     assert parallel.busiest == serial.busiest
+    assert parallel.verified
+
+
+def test_workers_prove_the_fastest_schedule(monkeypatch):
+    monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
+    planner = _planner("fat-tree-4x4-r8")
+    schedules = {name: planner._build(name, "allreduce", 16 << 20, 0)
+                 for name in ("ring", "halving-doubling", "hierarchical")}
+    sims, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
+    assert set(sims) == set(schedules)
+    assert proved == {min(sims, key=lambda n: sims[n].seconds)}
 
 
 def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):
