@@ -37,8 +37,8 @@ predicted time from 86 to 72 ms.
 """
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
-from .ring import (check_request, nested_order, pipeline_depth, rank_partitions, ring_allgather,
-                   ring_reduce_scatter)
+from .ring import (MIN_CHUNK_BYTES, check_request, nested_order, pipeline_depth, rank_partitions,
+                   ring_allgather, ring_reduce_scatter)
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap.
@@ -149,14 +149,12 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     check_request(NAME, collective, p, root)
     parts = rank_partitions(topo)
     order, _ = nested_order(p, parts, topo.route_bandwidth)
-    pieces = 1 if collective == "broadcast" else p
-    if len(stage_partitions(p, parts)) > 1:
-        k = pipeline_depth(nbytes, pieces, min_bytes=WAVE_MIN_BYTES)
-        waves = k
-    else:
-        k, waves = pipeline_depth(nbytes, pieces), 1
+    stages = stage_partitions(p, parts)
+    waved = len(stages) > 1          # stages to overlap: one wave per chunk (see the module docstring)
+    k = pipeline_depth(nbytes, 1 if collective == "broadcast" else p,
+                       min_bytes=WAVE_MIN_BYTES if waved else MIN_CHUNK_BYTES)
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
-    stage_bw = [tier_bw.get(groups) for groups in stage_partitions(p, parts)]
-    return hierarchical_schedule(order, parts, collective, k, root, waves=waves,
+    stage_bw = [tier_bw.get(groups) for groups in stages]
+    return hierarchical_schedule(order, parts, collective, k, root, waves=k if waved else 1,
                                  stage_bandwidths=[None if bw is None else float(bw) for bw in stage_bw])
