@@ -23,7 +23,9 @@ from the topology alone:
   partition bound (the groups of a partition gossip: ``2(j-1)`` crossings per byte), which is exact
   where Blink's reduce-broadcast tree packing runs without switches, and equals twice the allgather
   bound on every uniform fabric and tier.
-* **Latency** (:func:`latency_bound`): ``ceil(log2 p)`` rounds of the smallest rank-to-rank latency.
+* **Latency** (:func:`latency_bound`): in the round model, ``ceil(log2 p)`` rounds of the smallest
+  rank-to-rank latency, and no fewer rounds across each latency tier (hosts, racks) than the tier's
+  groups need to hear from everyone, each as slow as the tier.
 * **Bus bandwidth** (:func:`busbw`): the nccl-tests convention, so our numbers read like theirs.
 
 All work is done on ``topo.usable_graph()`` (ranks plus transit vertices; a GPU outside the job cannot
@@ -38,7 +40,6 @@ in the exact case it is also the optimum.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter, OrderedDict
 from fractions import Fraction
@@ -46,14 +47,15 @@ from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.sparse.csgraph import breadth_first_order, connected_components, maximum_flow
+from scipy.sparse.csgraph import (breadth_first_order, connected_components, dijkstra, maximum_flow,
+                                  minimum_spanning_tree)
 
 from .errors import PlanError
 
 __all__ = [
     "COLLECTIVES", "CutBound", "AllreduceBound", "Bound",
     "cut_bound", "allreduce_bound", "allreduce_bound_graph", "bandwidth_bound", "latency_bound",
-    "lower_bound", "min_rank_latency",
+    "lower_bound", "min_rank_latency", "latency_rounds", "rank_latency_matrix",
     "cut_bound_graph", "broadcast_bandwidth_graph", "reduce_bandwidth_graph", "min_rank_latency_graph",
     "bandwidth_bound_graph", "latency_bound_graph", "lower_bound_graph",
     "algbw", "busbw", "busbw_factor",
@@ -441,43 +443,94 @@ def reduce_bandwidth_graph(graph, ranks, root=0):
 
 def min_rank_latency_graph(graph, ranks):
     """Smallest latency (s) of a path from one rank to a *different* rank on ``graph`` (edge attr
-    ``latency``), whose interior vertices are not ranks (ranks never forward).
+    ``latency``), whose interior vertices are not ranks (ranks never forward): the smallest
+    off-diagonal entry of :func:`rank_latency_matrix`. 0 when two ranks share a vertex; ``inf`` when
+    no rank can reach another."""
+    lat = rank_latency_matrix(graph, ranks)
+    off = lat[~np.eye(len(lat), dtype=bool)]
+    return float(off.min()) if off.size else math.inf
 
-    One Dijkstra for all sources: every non-rank vertex keeps its two nearest sources with distinct
-    labels, so that a path ``u -> ... -> t -> v`` can always use a source other than ``v``. 0 when two
-    ranks share a vertex; ``inf`` when no rank can reach another.
-    """
-    rset = set(ranks)
-    if len(rset) < len(ranks):
-        return 0.0
-    best = math.inf
-    heap = []
-    for r in rset:
-        for w, d in graph.succ[r].items():
-            lat = float(d.get("latency", 0.0))
-            if w in rset:
-                if w != r:
-                    best = min(best, lat)
-            else:
-                heap.append((lat, id(r), w, r))
-    heapq.heapify(heap)
-    settled = {}
-    while heap:
-        dist, _, t, label = heapq.heappop(heap)
-        if dist >= best:
-            break
-        labels = settled.setdefault(t, [])
-        if len(labels) >= 2 or label in labels:
-            continue
-        labels.append(label)
-        for w, d in graph.succ[t].items():
-            nd = dist + float(d.get("latency", 0.0))
-            if w in rset:
-                if w != label:
-                    best = min(best, nd)
-            elif len(settled.get(w, ())) < 2:
-                heapq.heappush(heap, (nd, id(label), w, label))
-    return best
+
+def rank_latency_matrix(graph, ranks):
+    """``lat[i, j]``: smallest latency (s) of a path from rank ``i`` to rank ``j`` whose interior
+    vertices are not ranks (ranks never forward); 0 between two ranks on one vertex and on the
+    diagonal, ``inf`` without a path.
+
+    One Dijkstra per rank vertex on a copy of the graph in which every rank vertex is split into an
+    exit (its out-edges) and an entry (its in-edges): a path from an exit to an entry cannot pass
+    through a third rank."""
+    verts = list(dict.fromkeys(ranks))
+    pos = {v: i for i, v in enumerate(verts)}
+    index = {v: i for i, v in enumerate(graph.nodes)}
+    n, k = len(index), len(verts)
+    rows, cols, vals = [], [], []
+    for u, v, d in graph.edges(data=True):
+        rows.append(index[u])
+        cols.append(n + pos[v] if v in pos else index[v])      # into a rank: its entry
+        vals.append(float(d.get("latency", 0.0)))
+    # a csr matrix keeps explicit zeros, and csgraph takes them for edges: zero-latency links stay links
+    mat = sp.csr_matrix((vals, (rows, cols)), shape=(n + k, n + k))
+    dist = dijkstra(mat, indices=[index[v] for v in verts])[:, n:]
+    at = np.array([pos[v] for v in ranks], dtype=np.int64)
+    lat = dist[np.ix_(at, at)]
+    lat[at[:, None] == at[None, :]] = 0.0              # the diagonal, and ranks sharing a vertex
+    return lat
+
+
+def latency_rounds(lat):
+    """``[(latency, rounds), ...]``: for each latency tier, how many rounds any schedule needs that
+    are at least that slow, in the round model of :func:`latency_bound`.
+
+    ``lat`` is :func:`rank_latency_matrix`. For a latency ``L``, the *groups* are the ranks joined by
+    transfers faster than ``L`` (single linkage: hosts, racks, ...), the largest of ``g`` ranks. What
+    a group's ranks know together grows only by messages from outside it, each at least ``L`` long;
+    a rank receives one message at a time, so while one such message travels the group takes in at
+    most ``g``, each carrying at most what one group knew (for broadcast: the ranks holding the data,
+    at most ``g`` per group reached, each reach at most one new group). The largest group's knowledge therefore
+    grows at most ``(1 + g)``-fold per ``L``, and all ``p`` contributions take at least ``k`` such
+    steps, the least ``k`` with ``g (1 + g)^k >= p``. Below the smallest latency the groups are single
+    ranks: ``ceil(log2 p)``. Groups only change where a minimum spanning tree of ``lat`` has an edge,
+    so those latencies are the tiers."""
+    p = len(lat)
+    if p <= 1:
+        return []
+    sym = np.minimum(lat, lat.T)
+    off = sym[~np.eye(p, dtype=bool)]
+    finite = off[np.isfinite(off)]
+    if not finite.size:
+        return [(math.inf, 1)]
+    # minimum_spanning_tree reads 0 as "no edge": zero latencies become a positive value below every
+    # other one (the tree depends only on the order), unreachable pairs become 0; merges read exact values
+    positive = finite[finite > 0]
+    weights = np.where(sym > 0, sym, positive.min() / 2 if positive.size else 1.0)
+    weights[~np.isfinite(sym)] = 0.0
+    np.fill_diagonal(weights, 0.0)
+    tree = minimum_spanning_tree(weights).tocoo()
+    merges = sorted(zip(sym[tree.row, tree.col].tolist(), tree.row.tolist(), tree.col.tolist()))
+    parent = list(range(p))
+    size = [1] * p
+
+    def root(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    tiers, largest, done = [], 1, 0
+    for latency in sorted({float(finite.min())} | {w for w, _, _ in merges}):
+        while done < len(merges) and merges[done][0] < latency:
+            a, b = root(merges[done][1]), root(merges[done][2])
+            if a != b:
+                parent[a] = b
+                size[b] += size[a]
+                largest = max(largest, size[b])
+            done += 1
+        rounds, reach = 0, largest
+        while reach < p:
+            reach *= 1 + largest
+            rounds += 1
+        tiers.append((latency, rounds))
+    return tiers
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -557,9 +610,9 @@ def _bandwidth_seconds(collective, nbytes, p, cut, root_rate, allreduce):
     return nbytes * cut(collective == "reduce_scatter").seconds_per_byte
 
 
-def _latency_seconds(collective, p, min_latency):
+def _latency_seconds(collective, p, tiers):
     _check(collective)
-    return 0.0 if p <= 1 else math.ceil(math.log2(p)) * min_latency()
+    return 0.0 if p <= 1 else max(rounds * latency if rounds else 0.0 for latency, rounds in tiers())
 
 
 def _check_root(root, p):
@@ -585,7 +638,7 @@ def bandwidth_bound_graph(graph, ranks, collective, nbytes, root=0):
 
 def latency_bound_graph(graph, ranks, collective):
     """:func:`latency_bound` on a bare ``(graph, ranks)``."""
-    return _latency_seconds(collective, len(ranks), lambda: min_rank_latency_graph(graph, ranks))
+    return _latency_seconds(collective, len(ranks), lambda: latency_rounds(rank_latency_matrix(graph, ranks)))
 
 
 def lower_bound_graph(graph, ranks, collective, nbytes, root=0):
@@ -617,19 +670,30 @@ def bandwidth_bound(topo, collective, nbytes, root=0):
 
 
 def latency_bound(topo, collective):
-    """Seconds of latency any algorithm pays: ``ceil(log2 p)`` times the smallest rank-to-rank latency.
+    """Seconds of latency any algorithm pays in the round (single-port) model.
 
-    Why it is valid, in the round (single-port) model our schedules and cost model use, where a rank
-    takes part in one transfer per round and a round lasts at least one rank-to-rank latency: in
-    allgather every rank needs data from every other; in a round a rank learns at most what one peer
-    knew, so the set of contributions a rank holds at most doubles per round and p of them need
-    ``ceil(log2 p)`` rounds. Reduce-scatter is its dual (each result block combines p contributions,
-    at most two partial results per round). Allreduce contains that combination too; broadcast and
-    reduce double (halve) the set of ranks holding the data per round. 0 for a single rank.
-    (With unlimited concurrent sends per rank, a root could reach everyone in one latency: the bound
-    is for the round model, as in the cost models of Thakur, Rabenseifner & Gropp, 2005.)
+    The model, as in the cost models of Thakur, Rabenseifner & Gropp (2005): a rank sends one message
+    and receives one message at a time, each taking at least its rank-to-rank latency; ranks need not
+    move in lock-step. In allgather every rank
+    needs data from every other; a received message adds at most what one peer knew, so the
+    contributions a rank holds at most double per smallest latency: ``ceil(log2 p)`` of them. On a
+    tiered fabric the same holds for groups (hosts, racks; :func:`latency_rounds`): a host's ranks
+    hear from other hosts only through cross-host messages, so a host of ``g`` ranks at most
+    ``(1 + g)``-folds what it knows per cross-host latency. The bound is the largest of these
+    tier by tier. On 4 GPUs x 16 hosts x 3 racks with 2, 6 and 10 us: ``max(8 * 2, 3 * 6, 1 * 10) =
+    18`` us. (Charging the tiers one after the other, ``10 + 2*6 + 5*2 = 32`` us, would hold only if
+    every rank moved in lock-step rounds; ranks run ahead of one another, so it is no bound.)
+    Reduce-scatter is the dual (each result block combines p contributions); allreduce contains that
+    combination; broadcast and reduce spread one rank's data, and the ranks (groups) holding it grow
+    by the same factors. 0 for a single rank.
+
+    A schedule in which a rank receives several messages at once is outside the model: the simulator
+    charges such fan-out no per-message cost, so at tiny sizes it can predict packings of many trees
+    below this bound (a gap under 1 in ``ddl plan``).
     """
-    return _latency_seconds(collective, topo.nranks, lambda: min_rank_latency(topo))
+    return _latency_seconds(collective, topo.nranks, lambda: _cached(
+        (topo.fingerprint, "latency-tiers"),
+        lambda: latency_rounds(rank_latency_matrix(topo.usable_graph(), list(topo.ranks)))))
 
 
 def lower_bound(topo, collective, nbytes, root=0):

@@ -5,6 +5,7 @@ Topology wrappers are exercised through a small stand-in object with the same in
 ddl.topology exists, through real Topology objects.
 """
 import hashlib
+import heapq
 import itertools
 import math
 
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 from ddl import bounds
 from ddl.bounds import (Bound, CutBound, algbw, bandwidth_bound, bandwidth_bound_graph, broadcast_bandwidth_graph,
                         busbw, busbw_factor, cut_bound, cut_bound_graph, latency_bound, latency_bound_graph,
-                        lower_bound, lower_bound_graph, min_rank_latency_graph, reduce_bandwidth_graph)
+                        latency_rounds, lower_bound, lower_bound_graph, min_rank_latency_graph, rank_latency_matrix,
+                        reduce_bandwidth_graph)
 from ddl.errors import PlanError
 
 GB = 1e9
@@ -266,13 +268,73 @@ def test_latency_bound():
     assert latency_bound_graph(g, ranks, "allreduce") == pytest.approx(4 * 2e-6)
     g, ranks = dgx1()
     g[0][1]["latency"] = 0.5e-6
-    assert latency_bound_graph(g, ranks, "allgather") == pytest.approx(3 * 0.5e-6)
+    # one fast pair: 3 rounds of 0.5 us, but the pair is a group of 2 that hears from the other 6
+    # only over 1 us links, and 2 * 3^k >= 8 takes k = 2 of them
+    assert latency_bound_graph(g, ranks, "allgather") == pytest.approx(2 * 1e-6)
     # directed: only a -> x -> c exists; the vertex that is nearest to c's own out-edges is c itself
     h = nx.DiGraph()
     h.add_edge("a", "x", latency=5e-6, capacity=1.0)
     h.add_edge("x", "c", latency=4e-6, capacity=1.0)
     h.add_edge("c", "x", latency=1e-6, capacity=1.0)
     assert min_rank_latency_graph(h, ["a", "c"]) == pytest.approx(9e-6)
+
+
+def test_rank_latency_matrix():
+    h = nx.DiGraph()
+    h.add_edge("a", "x", latency=5e-6, capacity=1.0)
+    h.add_edge("x", "c", latency=4e-6, capacity=1.0)
+    h.add_edge("c", "x", latency=1e-6, capacity=1.0)
+    h.add_edge("x", "b", latency=0.0, capacity=1.0)
+    h.add_edge("b", "c", latency=1e-6, capacity=1.0)          # b is a rank: a -> x -> b -> c is no path
+    lat = rank_latency_matrix(h, ["a", "c", "b", "c"])
+    assert lat[0, 1] == pytest.approx(9e-6) and lat[0, 2] == pytest.approx(5e-6)
+    assert lat[2, 1] == pytest.approx(1e-6) and lat[1, 2] == pytest.approx(1e-6)
+    assert lat[1, 3] == lat[3, 1] == 0.0 and lat[0, 0] == 0.0     # two ranks on c
+    assert math.isinf(lat[1, 0]) and math.isinf(lat[2, 0])       # nothing reaches a
+
+
+def _telephone_optimum(lat):
+    """Least time of an allgather in lock-step rounds where every rank sends at most one and receives at
+    most one message per round and a round lasts as long as its slowest message (Dijkstra over what
+    every rank knows). Lock-step executions are executions of the model, so no bound may exceed it."""
+    p = len(lat)
+    full = (1 << p) - 1
+    moves = []
+    for senders in itertools.product([None, *range(p)], repeat=p):        # senders[r]: who r hears
+        chosen = [s for s in senders if s is not None]
+        if len(chosen) == len(set(chosen)) and all(s != r for r, s in enumerate(senders)) and chosen:
+            moves.append((max(lat[s][r] for r, s in enumerate(senders) if s is not None), senders))
+    start = tuple(1 << r for r in range(p))
+    best = {start: 0.0}
+    heap = [(0.0, start)]
+    while heap:
+        t, know = heapq.heappop(heap)
+        if all(k == full for k in know):
+            return t
+        if t > best[know]:
+            continue
+        for cost, senders in moves:
+            nxt = tuple(k | (know[s] if s is not None else 0) for k, s in zip(know, senders))
+            if nxt != know and t + cost < best.get(nxt, math.inf):
+                best[nxt] = t + cost
+                heapq.heappush(heap, (t + cost, nxt))
+    return math.inf
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 5, 8]), min_size=6, max_size=6), st.integers(0, 2))
+def test_latency_bound_never_exceeds_the_telephone_optimum(weights, shape):
+    """Four ranks, as two hosts of two, one host of three, or four hosts, with random latencies."""
+    groups = ([[0, 1], [2, 3]], [[0, 1, 2], [3]], [[0], [1], [2], [3]])[shape]
+    g = nx.DiGraph()
+    for i, members in enumerate(groups):
+        for r in members:
+            link(g, r, f"host{i}", 1.0, weights[r] * 1e-7)
+        link(g, f"host{i}", "spine", 1.0, weights[4 + i % 2] * 1e-6)
+    ranks = list(range(4))
+    lat = rank_latency_matrix(g, ranks)
+    optimum = _telephone_optimum(lat.tolist())
+    assert latency_bound_graph(g, ranks, "allgather") <= optimum * (1 + 1e-9)
 
 
 def test_lower_bound_is_max_of_parts():
@@ -471,7 +533,17 @@ def test_topology_hierarchy_three_tier():
     g, ranks = three_tier()
     assert cb.seconds_per_byte == pytest.approx(cut_bound_graph(g, ranks).seconds_per_byte, rel=1e-12)
     assert latency_bound(topo, "allgather") == pytest.approx(8 * 2e-6)   # ceil(log2 192) = 8, GPU-host-GPU
+    # hosts of 4 need 3 cross-host latencies (4 * 5^3 >= 192), racks of 64 one cross-rack latency
+    lat = rank_latency_matrix(topo.usable_graph(), list(topo.ranks))
+    assert latency_rounds(lat) == [(pytest.approx(2e-6), 8), (pytest.approx(4e-6), 3), (pytest.approx(6e-6), 1)]
     assert bandwidth_bound(topo, "broadcast", N) == pytest.approx(N / (12.5 * GB), rel=1e-12)
+
+
+def test_latency_tiers_of_the_ibm_cluster():
+    """2 us inside a host, 6 us across hosts, 10 us across racks: the cross-host tier binds."""
+    from ddl.topology import Topology
+    topo = Topology.load("topologies/ibm-3tier-192.yaml")
+    assert latency_bound(topo, "allreduce") == pytest.approx(max(8 * 2e-6, 3 * 6e-6, 1 * 10e-6))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -62,3 +62,15 @@ def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--bytes", "1MiB", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert f"not planned: {MCF} (one path per rank pair" in out
+
+
+def test_plan_text_flags_a_prediction_below_the_latency_bound(capsys, tmp_path, monkeypatch):
+    """At 8 bytes on one NVSwitch box a packing of trees has ranks receive from several trees at once:
+    faster than the round model's latency bound allows. The text says so instead of a bare gap < 1;
+    a schedule above the bound gets no such note."""
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    assert main(["plan", str(ZOO / "dgx-a100.yaml"), "--bytes", "8", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "below the latency bound" in out and "gap 0." in out
+    assert main(["plan", str(ZOO / "dgx-a100.yaml"), "--bytes", "64MiB", "--workers", "1"]) == 0
+    assert "below the latency bound" not in capsys.readouterr().out
