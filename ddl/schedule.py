@@ -209,11 +209,12 @@ class ScheduleBuilder:
         self.programs[src].append(Op(SEND, chunk, dst))
         self.programs[dst].append(Op(REDUCE if reduce else RECV, chunk, src))
 
-    def exchange(self, a, b, chunk):
-        """``a`` and ``b`` swap their values of ``chunk`` and both reduce: each sends before it
-        receives, so both combine the same two operands (the old values)."""
-        self.programs[a] += [Op(SEND, chunk, b), Op(REDUCE, chunk, b)]
-        self.programs[b] += [Op(SEND, chunk, a), Op(REDUCE, chunk, a)]
+    def exchange(self, a, b, chunk, reduce=True):
+        """``a`` and ``b`` swap their values of ``chunk`` and both reduce (or, ``reduce=False``, each
+        keeps the other's): each sends before it receives, so both use the old values."""
+        land = REDUCE if reduce else RECV
+        self.programs[a] += [Op(SEND, chunk, b), Op(land, chunk, b)]
+        self.programs[b] += [Op(SEND, chunk, a), Op(land, chunk, a)]
 
     def build(self, **info):
         return Schedule(self.collective, self.nranks, self.pattern,

@@ -32,10 +32,18 @@ def recursive_doubling_schedule(order, collective="allreduce", k=1, algorithm=NA
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, 0, SUPPORTED)
+    b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
+    active, folded, bits = doubling(b, order, range(k))
+    return b.build(order=order, active=active, folded_pairs=[[o, e] for e, o in folded.items()],
+                   doubling_bits=bits, **info)
+
+
+def doubling(b, order, chunks):
+    """Append to builder ``b`` a recursive-doubling allreduce of ``chunks`` among the ranks ``order``
+    (positions); returns ``(active, folded, bits)``. Every rank ends with the same expression, a
+    function of the positions alone."""
     active, folded = fold(order)        # even -> odd of each folded pair
     m = len(active)
-    b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
-    chunks = range(k)
     for even, odd in folded.items():
         for c in chunks:
             b.transfer(odd, even, c, reduce=True)
@@ -48,8 +56,7 @@ def recursive_doubling_schedule(order, collective="allreduce", k=1, algorithm=NA
     for even, odd in folded.items():
         for c in chunks:
             b.transfer(even, odd, c)
-    return b.build(order=order, active=active, folded_pairs=[[o, e] for e, o in folded.items()],
-                   doubling_bits=bits, **info)
+    return active, folded, bits
 
 
 def recursive_doubling(topo, collective, *, root=0, nbytes=None):
