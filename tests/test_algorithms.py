@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
-                            recursive_doubling_schedule, ring_order, ring_schedule)
+                            recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import stage_partitions
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
@@ -21,6 +21,7 @@ SUPPORTS = {
     "recursive-doubling": ("allreduce",),
     "double-binary-tree": ("allreduce", "broadcast"),
     "hierarchical": COLLECTIVES,
+    "tiered-exchange": ("allreduce",),
     "tree-packing": COLLECTIVES,
     "reduce-broadcast-trees": ("allreduce",),
     "multicommodity-flow": COLLECTIVES,
@@ -43,6 +44,11 @@ def flat(name, p, collective, k=1, root=0, order=None):
         return recursive_doubling_schedule(order, collective, k)
     if name == "double-binary-tree":
         return dbt_schedule(order, collective, k, root)
+    if name == "tiered-exchange":
+        # hosts of 4 joined by one more tier where p allows (radix 2, 3 or 4), else recursive doubling
+        if p % 4 == 0 and p > 4:
+            return tiered_exchange_schedule(groups_of(order, 4), [[[[h] for h in range(p // 4)]]], collective, k)
+        return tiered_exchange_schedule([order], [], collective, k)
     if name in ("tree-packing", "reduce-broadcast-trees", "multicommodity-flow"):
         # planners that need a fabric: a star; k picks a small or a large (pipelined) message
         return ALGORITHMS[name](flat_topology(p), collective, root=root, nbytes=64 << (10 * k))
@@ -316,13 +322,15 @@ def test_recursive_doubling_starts_inside_the_fastest_tier():
 
 
 def test_small_messages_choose_few_rounds():
-    """At 8 bytes on a three-tier cluster of 48 ranks the planner picks whole-vector recursive
-    doubling, which needs half the rounds (and so about half the latency) of halving-doubling."""
+    """At 8 bytes on a three-tier cluster of 48 ranks the planner picks a whole-vector doubling, which
+    needs half the rounds (and so about half the latency) of halving-doubling: the tiered exchange,
+    whose hosts talk to three hosts at once, ahead of plain recursive doubling."""
     from ddl.planner import Planner
 
     topo = three_tier(hosts=4, racks=3)
     plan = Planner(topo, use_disk_cache=False).plan("allreduce", 8)
-    assert plan.algorithm == "recursive-doubling"
+    assert plan.algorithm == "tiered-exchange"
+    assert plan.predicted_seconds < plan.baselines["recursive-doubling"]
     assert plan.predicted_seconds < 0.6 * plan.baselines["halving-doubling"]
     assert plan.predicted_seconds < 0.6 * plan.baselines["double-binary-tree"]
 

@@ -11,6 +11,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``recursive-doubling`` -- whole-vector swaps, ``log2 p`` rounds for latency-bound sizes; allreduce;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
 * ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives;
+* ``tiered-exchange`` -- recursive doubling in which every rank of a host swaps sums with another
+  host at once, for latency-bound sizes on tiered clusters; allreduce;
 * ``tree-packing`` -- ForestColl's optimal packing of spanning trees (Blink-style few, shallow trees);
   all four collectives, up to 64 ranks;
 * ``reduce-broadcast-trees`` -- Blink's packing of spanning trees, each reducing to its centre and
@@ -27,6 +29,7 @@ from .multicommodity_flow import multicommodity_flow, repeats_a_base
 from .recursive_doubling import recursive_doubling, recursive_doubling_schedule
 from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
+from .tiered_exchange import repeats_doubling, tiered_exchange, tiered_exchange_schedule
 from .tree_packing import tree_packing
 
 ALGORITHMS = {
@@ -35,6 +38,7 @@ ALGORITHMS = {
     "recursive-doubling": recursive_doubling,
     "double-binary-tree": double_binary_tree,
     "hierarchical": hierarchical,
+    "tiered-exchange": tiered_exchange,
     "tree-packing": tree_packing,
     "reduce-broadcast-trees": reduce_broadcast_trees,
     "multicommodity-flow": multicommodity_flow,
@@ -44,9 +48,10 @@ ALGORITHMS = {
 # (a reason) on a given topology, or None. An explicit request still builds it.
 REDUNDANT = {
     "multicommodity-flow": repeats_a_base,
+    "tiered-exchange": repeats_doubling,
 }
 
 __all__ = ["ALGORITHMS", "REDUNDANT", "ring", "halving_doubling", "double_binary_tree", "hierarchical",
            "multicommodity_flow", "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
-           "hierarchical_schedule"]
+           "hierarchical_schedule", "tiered_exchange", "tiered_exchange_schedule"]
