@@ -425,7 +425,7 @@ class Communicator:
         return finish
 
     # ---- the engine entry -----------------------------------------------------------------------
-    def _start(self, layout, send, recv, count, dtype, op, root, sig_count):
+    def _start(self, layout, send, recv, count, dtype, op, root, sig_count, blocking=False):
         if self._freed:
             raise Error("this ddl.Communicator was freed")
         plan, sig, finish, label = self._compiled(layout, count, dtype, op, root, sig_count)
@@ -447,7 +447,7 @@ class Communicator:
             ex.inline = _inline_input(layout, send, recv, count, dtype.itemsize, root, self.rank, self.size, limit)
         ex.sig_hash = sig.hash(seq)
         ex.salt = sig.base
-        self._engine.start(ex)
+        self._engine.start(ex, blocking)
         return ex
 
     def _reduction_args(self, sendbuf, recvbuf, op, what="Allreduce"):
@@ -463,12 +463,12 @@ class Communicator:
             return None, recv, op  # Allreduce(buf, buf): in place
         return send, recv, op
 
-    def _allreduce_start(self, sendbuf, recvbuf, op):
+    def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False):
         # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
         hit = self._args.get((id(sendbuf), id(recvbuf), id(op)))
         if hit is not None and hit[0] is sendbuf and hit[1] is recvbuf and hit[2] is op and \
                 recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]):
-            return self._start(*hit[5])
+            return self._start(*hit[5], blocking)
         send, recv, op_ = self._reduction_args(sendbuf, recvbuf, op)
         if send is None:
             args = ("allreduce_inplace", None, recv, recv.size, recv.dtype, op_, 0, recv.size)
@@ -476,7 +476,7 @@ class Communicator:
             if send.size != recv.size:
                 raise Error(f"Allreduce: sendbuf has {send.size} elements but recvbuf {recv.size}; they must match")
             args = ("allreduce", send, recv, recv.size, recv.dtype, op_, 0, recv.size)
-        ex = self._start(*args)
+        ex = self._start(*args, blocking)
         if type(recvbuf) is np.ndarray and recv.nbytes <= _ARG_CACHE_BYTES and (
                 type(sendbuf) is np.ndarray or is_in_place(sendbuf)):
             # holds references to both arrays, so their ids cannot be reused while cached
@@ -486,25 +486,27 @@ class Communicator:
                 sendbuf, recvbuf, op, recvbuf.dtype, None if send is None else sendbuf.dtype, args)
         return ex
 
-    def _reduce_scatter_start(self, sendbuf, recvbuf, op):
+    def _reduce_scatter_start(self, sendbuf, recvbuf, op, blocking=False):
         send, recv, op = self._reduction_args(sendbuf, recvbuf, op, "Reduce_scatter_block")
         p = self.size
         if send is None:
             if recv.size % p:
                 raise Error(f"Reduce_scatter_block(IN_PLACE): recvbuf must hold size*n = {p}*n elements, got {recv.size}")
-            return self._start("reduce_scatter_inplace", None, recv, recv.size, recv.dtype, op, 0, recv.size // p)
+            return self._start("reduce_scatter_inplace", None, recv, recv.size, recv.dtype, op, 0, recv.size // p,
+                               blocking)
         if send.size != p * recv.size:
             raise Error(f"Reduce_scatter_block: sendbuf must hold size*n = {p}*{recv.size} = {p * recv.size} "
                         f"elements for a recvbuf of {recv.size}, got {send.size}")
-        return self._start("reduce_scatter", send, recv, send.size, recv.dtype, op, 0, recv.size)
+        return self._start("reduce_scatter", send, recv, send.size, recv.dtype, op, 0, recv.size, blocking)
 
-    def _allgather_start(self, sendbuf, recvbuf):
+    def _allgather_start(self, sendbuf, recvbuf, blocking=False):
         p = self.size
         recv = parse_buffer(recvbuf, "recvbuf", writable=True)
         if is_in_place(sendbuf):
             if recv.size % p:
                 raise Error(f"Allgather(IN_PLACE): recvbuf must hold size*n = {p}*n elements, got {recv.size}")
-            return self._start("allgather_inplace", None, recv, recv.size, recv.dtype, None, 0, recv.size // p)
+            return self._start("allgather_inplace", None, recv, recv.size, recv.dtype, None, 0, recv.size // p,
+                               blocking)
         send = parse_buffer(sendbuf, "sendbuf")
         if send.dtype != recv.dtype:
             raise Error(f"Allgather: sendbuf is {send.dtype} but recvbuf is {recv.dtype}; ddl does not convert")
@@ -513,14 +515,14 @@ class Communicator:
                         f"got {recv.size}")
         if _same_memory(send, recv, "Allgather"):
             raise Error("Allgather: sendbuf and recvbuf are the same memory; use ddl.IN_PLACE")
-        return self._start("allgather", send, recv, recv.size, recv.dtype, None, 0, send.size)
+        return self._start("allgather", send, recv, recv.size, recv.dtype, None, 0, send.size, blocking)
 
-    def _bcast_start(self, buf, root):
+    def _bcast_start(self, buf, root, blocking=False):
         root = int(root)
         if not 0 <= root < self.size:
             raise Error(f"Bcast: root {root} is not a rank of this communicator (size {self.size})")
         b = parse_buffer(buf, "buf", writable=True)
-        return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size)
+        return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size, blocking)
 
     # ---- device buffers ----------------------------------------------------------------------------
     def _device_for(self, *bufs):
@@ -547,7 +549,7 @@ class Communicator:
         dev = self._device_for(sendbuf, recvbuf)
         if dev is not None:
             return dev.Allreduce(sendbuf, recvbuf, op=op, stream=stream)
-        self._engine.wait(self._allreduce_start(sendbuf, recvbuf, op))
+        self._engine.wait(self._allreduce_start(sendbuf, recvbuf, op, blocking=True))
 
     def Iallreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         dev = self._device_for(sendbuf, recvbuf)
@@ -560,7 +562,7 @@ class Communicator:
         dev = self._device_for(sendbuf, recvbuf)
         if dev is not None:
             return dev.Reduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
-        self._engine.wait(self._reduce_scatter_start(sendbuf, recvbuf, op))
+        self._engine.wait(self._reduce_scatter_start(sendbuf, recvbuf, op, blocking=True))
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         dev = self._device_for(sendbuf, recvbuf)
@@ -573,7 +575,7 @@ class Communicator:
         dev = self._device_for(sendbuf, recvbuf)
         if dev is not None:
             return dev.Allgather(sendbuf, recvbuf, stream=stream)
-        self._engine.wait(self._allgather_start(sendbuf, recvbuf))
+        self._engine.wait(self._allgather_start(sendbuf, recvbuf, blocking=True))
 
     def Iallgather(self, sendbuf, recvbuf, stream=None):
         dev = self._device_for(sendbuf, recvbuf)
@@ -586,7 +588,7 @@ class Communicator:
         dev = self._device_for(buf)
         if dev is not None:
             return dev.Bcast(buf, root=root, stream=stream)
-        self._engine.wait(self._bcast_start(buf, root))
+        self._engine.wait(self._bcast_start(buf, root, blocking=True))
 
     def Ibcast(self, buf, root=0, stream=None):
         dev = self._device_for(buf)
