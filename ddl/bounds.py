@@ -485,12 +485,12 @@ def latency_rounds(lat):
     transfers faster than ``L`` (single linkage: hosts, racks, ...), the largest of ``g`` ranks. What
     a group's ranks know together grows only by messages from outside it, each at least ``L`` long;
     a rank receives one message at a time, so while one such message travels the group takes in at
-    most ``g``, each carrying at most what one group knew (for broadcast: the ranks holding the data,
-    at most ``g`` per group reached, each reach at most one new group). The largest group's knowledge therefore
+    most ``g``, each carrying at most what one group knew. The largest group's knowledge therefore
     grows at most ``(1 + g)``-fold per ``L``, and all ``p`` contributions take at least ``k`` such
-    steps, the least ``k`` with ``g (1 + g)^k >= p``. Below the smallest latency the groups are single
-    ranks: ``ceil(log2 p)``. Groups only change where a minimum spanning tree of ``lat`` has an edge,
-    so those latencies are the tiers."""
+    steps, the least ``k`` with ``g (1 + g)^k >= p``. (Broadcast, counting the groups that hold the
+    data: each of their at most ``g`` ranks per group sends to at most one new group per ``L``.)
+    Below the smallest latency the groups are single ranks: ``ceil(log2 p)``. Groups only change where
+    a minimum spanning tree of ``lat`` has an edge, so those latencies are the tiers."""
     p = len(lat)
     if p <= 1:
         return []

@@ -103,8 +103,9 @@ def _explain(topo, plan):
     lines.append(f"bound       {format_seconds(plan.bound_seconds)} (bandwidth {format_seconds(plan.bandwidth_bound_seconds)},"
                  f" latency {format_seconds(plan.latency_bound_seconds)})   gap {plan.gap:.3f}x")
     if plan.gap < 1 - 1e-9:
-        lines.append("note        below the latency bound: this schedule has ranks receive several messages at"
-                     " once, which the bound's round model rules out and the simulator charges nothing for")
+        lines.append("note        below the latency bound: this schedule has ranks receive several messages"
+                     " at once, which the bound's round model rules out and the simulator charges nothing"
+                     " for")
     lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks, {r['operations']} operations)")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
