@@ -136,6 +136,16 @@ def _inline_input(layout, send, recv, count, itemsize, root, rank, size, limit):
     return send if send is not None else recv
 
 
+def _functional(array):
+    """``(input, output, result)`` of the functional API: a contiguous input array, a new output of its
+    shape, and what returns the result (a scalar for a scalar)."""
+    arr = np.asarray(array)
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        arr = np.ascontiguousarray(arr)
+    out = np.empty_like(arr)
+    return arr, out, (out.item if np.isscalar(array) else lambda: out)
+
+
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
           "broadcast": "Bcast"}
 
@@ -621,17 +631,14 @@ class Communicator:
     # ---- Horovod-style functional API ---------------------------------------------------------------
     def allreduce(self, array, op=SUM):
         """A new array: ``op`` over every rank's ``array`` (any array-like; scalars give scalars)."""
-        return self.iallreduce(array, op).wait()
+        arr, out, result = _functional(array)
+        self._engine.wait(self._allreduce_start(arr, out, op, blocking=True))
+        return result()
 
     def iallreduce(self, array, op=SUM):
         """Nonblocking :meth:`allreduce`: ``req.wait()`` returns the new array."""
-        scalar = np.isscalar(array)
-        arr = np.asarray(array)
-        if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
-            arr = np.ascontiguousarray(arr)
-        out = np.empty_like(arr)
-        ex = self._allreduce_start(arr, out, op)
-        return Request(ex, self._engine, (lambda: out.item()) if scalar else (lambda: out))
+        arr, out, result = _functional(array)
+        return Request(self._allreduce_start(arr, out, op), self._engine, result)
 
     def grouped_allreduce(self, arrays, op=SUM):
         """``[allreduce(a) for a in arrays]`` with one collective per dtype over a packed buffer."""
