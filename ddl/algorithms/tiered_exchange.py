@@ -101,7 +101,7 @@ def tiered_exchange_schedule(hosts, stages, collective="allreduce", k=1, algorit
     m = len(hosts[0])
     if any(len(h) != m for h in hosts):
         raise PlanError(f"{algorithm} needs hosts of one size; got {sorted({len(h) for h in hosts})}")
-    b = ScheduleBuilder("allreduce", p, (1,) * k, algorithm=algorithm)
+    b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
     chunks = range(k)
     for h in hosts:
         doubling(b, h, chunks)
@@ -176,37 +176,39 @@ def _merge(b, slots, spare, chunks):
 def tiered_exchange(topo, collective, *, root=0, nbytes=None):
     """Tiered exchange on ``topo``'s tiers (see the module docstring); where they do not fit, every rank
     forms one host and this is recursive doubling (``auto`` then skips it: :func:`repeats_doubling`)."""
-    p = topo.nranks
-    check_request(NAME, collective, p, root, SUPPORTED)
-    structure = _structure(topo)
-    if isinstance(structure, str):
-        order, _ = nested_order(p, rank_partitions(topo), topo.route_bandwidth)
-        structure = ([order], [])
-    return tiered_exchange_schedule(*structure, collective, pipeline_depth(nbytes))
+    check_request(NAME, collective, topo.nranks, root, SUPPORTED)
+    hosts, stages, _ = _structure(topo)
+    return tiered_exchange_schedule(hosts, stages, collective, pipeline_depth(nbytes))
 
 
 def repeats_doubling(topo):
     """Why ``tiered-exchange`` would only repeat recursive doubling on ``topo``, or None."""
-    structure = _structure(topo)
-    return f"{structure}: it would repeat recursive doubling" if isinstance(structure, str) else None
+    why = _structure(topo)[2]
+    return f"{why}: it would repeat recursive doubling" if why else None
 
 
 def _structure(topo):
-    """``(hosts, stages)`` for :func:`tiered_exchange_schedule` from ``topo``'s tiers, or why not."""
+    """``(hosts, stages, why)``: the arguments of :func:`tiered_exchange_schedule` from ``topo``'s tiers
+    and None, or, where the tiers do not fit, one host of every rank (in ring order), no stages, and
+    why they do not fit."""
     p = topo.nranks
     parts = rank_partitions(topo)
     order, _ = nested_order(p, parts, topo.route_bandwidth)
+
+    def unfit(why):
+        return [order], [], why
+
     pos = {r: i for i, r in enumerate(order)}
     try:
         stages = stage_partitions(p, parts)
     except PlanError as exc:
-        return str(exc)
+        return unfit(str(exc))
     if len(stages) < 2:
-        return "one tier"
+        return unfit("one tier")
     hosts = sorted((sorted(g, key=pos.get) for g in stages[0]), key=lambda h: pos[h[0]])
     sizes = {len(h) for h in hosts}
     if len(sizes) > 1:
-        return f"hosts of unequal sizes {sorted(sizes)}"
+        return unfit(f"hosts of unequal sizes {sorted(sizes)}")
     units = [[i] for i in range(len(hosts))]      # the units of the tier below, as lists of hosts
     grouped = []
     for groups in stages[1:]:
@@ -216,11 +218,11 @@ def _structure(topo):
             children[owner[hosts[unit[0]][0]]].append(unit)
         for kids in children:
             if len({len(u) for u in kids}) > 1:
-                return f"units of unequal sizes in a tier ({sorted({len(u) for u in kids})} hosts)"
+                return unfit(f"units of unequal sizes in a tier ({sorted({len(u) for u in kids})} hosts)")
             try:
                 radices(len(kids), len(hosts[0]))
             except PlanError as exc:
-                return str(exc)
+                return unfit(str(exc))
         grouped.append([sorted(kids, key=lambda u: pos[hosts[u[0]][0]]) for kids in children])
         units = [[h for unit in kids for h in unit] for kids in grouped[-1]]
-    return hosts, grouped
+    return hosts, grouped, None
