@@ -212,9 +212,18 @@ class ScheduleBuilder:
     def exchange(self, a, b, chunk, reduce=True):
         """``a`` and ``b`` swap their values of ``chunk`` and both reduce (or, ``reduce=False``, each
         keeps the other's): each sends before it receives, so both use the old values."""
-        land = REDUCE if reduce else RECV
-        self.programs[a] += [Op(SEND, chunk, b), Op(land, chunk, b)]
-        self.programs[b] += [Op(SEND, chunk, a), Op(land, chunk, a)]
+        self.round([(a, b, chunk, reduce), (b, a, chunk, reduce)])
+
+    def round(self, transfers):
+        """Transfers ``(src, dst, chunk, reduce)`` that all ship the values held before the round: every
+        rank's sends go into its program before its receives, each kind in the order given (so a rank
+        that receives several values reduces them in that order)."""
+        landings = []
+        for src, dst, chunk, reduce in transfers:
+            self.programs[src].append(Op(SEND, chunk, dst))
+            landings.append((dst, Op(REDUCE if reduce else RECV, chunk, src)))
+        for dst, op in landings:
+            self.programs[dst].append(op)
 
     def build(self, **info):
         return Schedule(self.collective, self.nranks, self.pattern,

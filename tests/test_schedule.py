@@ -153,15 +153,28 @@ def test_different_reduction_orders_across_ranks_are_refused():
     # All-to-all exchange: each rank reduces the others' values into its own in a different order,
     # so floats would differ in the last bits between ranks.
     b = ScheduleBuilder("allreduce", 3, (1,))
-    for src in range(3):
-        for dst in range(3):
-            if src != dst:
-                b.programs[src].append(Op("send", 0, dst))
-    for dst in range(3):
-        for src in range(3):
-            if src != dst:
-                b.programs[dst].append(Op("reduce", 0, src))
+    b.round([(src, dst, 0, True) for dst in range(3) for src in range(3) if src != dst])
     with pytest.raises(ScheduleError, match="different orders"):
+        verify(b.build())
+
+
+def test_a_round_ships_the_values_held_before_it():
+    """Every rank's sends of a round precede its receives, in the order given. Ranks 0 and 1 swap,
+    then in one round rank 2 takes 0's sum and sends its own x2 to both: all end with (x0 + x1) + x2.
+    The same transfers appended one by one would have rank 2 send x2 + x0 + x1 back."""
+    swap = [(0, 1, 0, True), (1, 0, 0, True)]
+    last = [(0, 2, 0, True), (2, 0, 0, True), (2, 1, 0, True)]
+    b = ScheduleBuilder("allreduce", 3, (1,))
+    b.round(swap)
+    b.round(last)
+    sched = b.build()
+    assert sched.programs[2] == (Op("send", 0, 0), Op("send", 0, 1), Op("reduce", 0, 0))
+    verify(sched)
+    b = ScheduleBuilder("allreduce", 3, (1,))
+    b.round(swap)
+    for src, dst, chunk, reduce in last:
+        b.transfer(src, dst, chunk, reduce)
+    with pytest.raises(ScheduleError, match="counted twice"):
         verify(b.build())
 
 

@@ -11,8 +11,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``recursive-doubling`` -- whole-vector swaps, ``log2 p`` rounds for latency-bound sizes; allreduce;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
 * ``hierarchical`` -- BlueConnect / Horovod per-tier rings; all four collectives;
-* ``tiered-exchange`` -- recursive doubling in which every rank of a host swaps sums with another
-  host at once, for latency-bound sizes on tiered clusters; allreduce;
+* ``tiered-exchange`` -- recursive doubling in which a host takes in the sums of up to one host
+  per rank at once, for latency-bound sizes on tiered clusters; allreduce;
 * ``tree-packing`` -- ForestColl's optimal packing of spanning trees (Blink-style few, shallow trees);
   all four collectives, up to 64 ranks;
 * ``reduce-broadcast-trees`` -- Blink's packing of spanning trees, each reducing to its centre and

@@ -1,39 +1,46 @@
-"""Tiered exchange allreduce: recursive doubling in which a host's ranks talk to several hosts at once.
+"""Tiered exchange allreduce: recursive doubling in which a host takes in several hosts' sums at once.
 
 Sources: J. Bruck, C.-T. Ho, S. Kipnis, E. Upfal and D. Weathersby, "Efficient algorithms for all-to-all
 communications in multiport message-passing systems", IEEE TPDS 8(11), 1997 (k-port rounds); J. L.
 Träff and S. Hunold, "Decomposing MPI collectives for exploiting multi-lane communication", IEEE
-CLUSTER 2020 (every rank of a node as a lane of the node's traffic).
+CLUSTER 2020 (the ranks of a node as lanes of the node's traffic).
 
 For latency-bound sizes on tiered clusters. Recursive doubling pays one slow latency per doubling
-across hosts; but a host of ``m`` ranks holds ``m`` ports, so once its ranks all know the host's sum,
-``r - 1`` of them can swap it with ``r - 1`` other hosts in the same slow latency, and the host then
-merges the ``r`` sums inside itself, where latency is small. One slow latency then multiplies what
-the host knows ``r``-fold instead of 2-fold.
+across hosts; but a host of ``m`` ranks holds ``m`` ports, so once its ranks all know the host's sum
+it can take in the sums of ``r - 1 <= m`` other hosts in one slow latency and combine them inside
+itself, where latency is small. One slow latency then multiplies what the host knows ``r``-fold
+instead of 2-fold: as much as the latency bound allows a host (:func:`ddl.bounds.latency_rounds`).
 
 Structure (from the tiers, fastest first; see :func:`ddl.algorithms.hierarchical.stage_partitions`):
 the first tier's groups are the *hosts*, all of ``m`` ranks. First every host runs recursive
 doubling inside itself. Then, tier by tier, each group of the tier combines its units (the groups of
-the tier below, all alike): the ``n`` units are numbered, ``n`` is split into radices ``r`` (mixed
-radix, like recursive doubling's bits) and in the round of one digit the units that differ only in
-that digit form a block. In a block, the ranks of the units' hosts at the same place pair up across
-units by a proper edge colouring of the complete graph on the block's digits (rank ``1 + colour``
-of a host speaks to the units whose edge has that colour; rank 0 keeps the host's own sum); each pair
-swaps sums. Then every host merges the block's ``r`` sums, held one per *slot* (the digit they came
-from), by recursive doubling over the slots in digit order, in which the host's other ranks stand in
-for the missing places of a power of two (:func:`_merge`). Every host of a block so computes the same
-expression of the same unit sums, and every rank ends with the same expression: results stay bitwise
-identical (the verifier checks it).
+the tier below, all alike): the ``n`` units are numbered, ``n`` is split into radices ``r <= m + 1``
+(mixed radix, like recursive doubling's bits) and in the round of one digit the units that differ
+only in that digit form a block; the hosts at the same place in a block's units combine their sums
+``S_0 .. S_{r-1}`` (digit order) in one *cross round* and one *merge round*:
+
+* radix 2: every rank swaps with its counterpart in the other host and reduces (no merge round);
+* radix ``r >= 3``: the sums split into a low half ``[0, ceil(r/2))`` and a high half. Two *lane*
+  ranks of every host each build one half's sum as a chain in digit order, ``(S_0 + S_1) + S_2 ...``,
+  from messages of the other hosts' lanes arriving at once (a lane starts from the host's own sum when
+  it is one of the first two terms, and otherwise receives the first term and gets the host's own sum
+  from a *keeper* rank when its turn comes). In the merge round the two lanes swap and reduce, and
+  every other rank receives the low half and reduces the high half into it.
+
+Every host of a block thus computes ``low + high`` of the same sums in the same order, and every rank
+ends with the same expression: results stay bitwise identical (the verifier checks it). A host takes
+in ``r - 1`` messages per cross round, a lane up to ``ceil(r/2)`` of them, a rank at most two per
+merge round: a schedule for the multi-port rounds the fabric offers at latency-bound sizes (the
+simulator charges latency per message, no per-message overhead).
 
 On 4 GPUs x 16 hosts x 3 racks (2, 6 and 10 us): in-host doubling (4 us), two rounds of radix 4 among
-the hosts of a rack (6 + 4 us each), one of radix 3 among the racks (10 + 4 us): 38 us predicted,
+the hosts of a rack (6 + 2 us each), one of radix 3 among the racks (10 + 2 us): 32 us predicted,
 against 50 us for recursive doubling; the latency bound is 18 us.
 
 Collectives: allreduce only. Chunks: ``k = pipeline_depth(nbytes)``, every one through every round,
 as in recursive doubling. Where the tiers do not fit (a single tier, hosts of different sizes, units
-of different sizes, a unit count with a prime factor larger than a host's ports allow: ``m`` for an
-even radix, ``m - 1`` for an odd one), all ranks form one host and the schedule is recursive
-doubling's; ``auto`` does not build it there (:func:`repeats_doubling`).
+of different sizes, a unit count with a prime factor above ``m + 1``), all ranks form one host and the
+schedule is recursive doubling's; ``auto`` does not build it there (:func:`repeats_doubling`).
 """
 from functools import lru_cache
 
@@ -47,38 +54,22 @@ NAME = "tiered-exchange"
 SUPPORTED = ("allreduce",)
 
 
-def colouring(r):
-    """Proper edge colouring of the complete graph on ``r`` digits: ``{(d, e): colour}``, symmetric;
-    ``r - 1`` colours when ``r`` is even (circle method), ``r`` when odd (``(d + e) mod r``)."""
-    if r % 2:
-        return {(d, e): (d + e) % r for d in range(r) for e in range(r) if d != e}
-    n = r - 1
-    colour = {(d, e): (d + e) % n for d in range(n) for e in range(n) if d != e}
-    for d in range(n):                 # the colour d misses among the others goes to the pivot n
-        colour[(d, n)] = colour[(n, d)] = 2 * d % n
-    return colour
-
-
-def ports_needed(r):
-    """Ranks a host needs for radix ``r``: the keeper (rank 0) and one per colour."""
-    return 1 + (r - 1 if r % 2 == 0 else r)
+KEEPER = 0                 # the rank of a host that keeps its sum through a cross round
 
 
 def radices(n, m):
-    """Mixed radix of ``n`` units for hosts of ``m`` ranks: fewest rounds, then fewest merge rounds;
-    raises PlanError when a prime factor needs more ports than a host has."""
+    """Mixed radix of ``n`` units for hosts of ``m`` ranks: fewest rounds, then fewest merge rounds
+    (radix 2 needs none); raises PlanError when a prime factor is above ``m + 1``."""
 
     @lru_cache(maxsize=None)
     def best(k):
         if k == 1:
             return (0, 0), ()
         options = []
-        for r in range(2, k + 1):
-            if k % r == 0 and ports_needed(r) <= m:
+        for r in range(2, min(k, m + 1) + 1):
+            if k % r == 0:
                 (rounds, merges), rest = best(k // r)
-                width = (r - 1).bit_length()             # in-host rounds of the merge (see _merge)
-                merge = width + (0 if 1 << width <= m else 2)
-                options.append(((rounds + 1, merges + merge), (r,) + rest))
+                options.append(((rounds + 1, merges + (r > 2)), (r,) + rest))
         if not options:
             return (float("inf"), 0), ()
         return min(options)
@@ -86,12 +77,12 @@ def radices(n, m):
     cost, digits = best(n)
     if cost[0] == float("inf"):
         raise PlanError(f"{NAME}: {n} units do not split into radices that hosts of {m} ranks can serve "
-                        f"(radix r needs r ranks per host when even, r + 1 when odd)")
+                        f"(a host takes in at most {m} sums per round: radix {m + 1} at most)")
     return list(digits)
 
 
 def tiered_exchange_schedule(hosts, stages, collective="allreduce", k=1, algorithm=NAME, **info):
-    """Tiered exchange allreduce. ``hosts``: rank lists, all of one size (their order is their port
+    """Tiered exchange allreduce. ``hosts``: rank lists, all of one size (their order is their lane
     order); ``stages``: for every tier above the hosts, its groups, each a list of units, each unit a
     list of host indices in the same places (units of one group are alike). One host of every rank
     and no stages is recursive doubling."""
@@ -113,64 +104,58 @@ def tiered_exchange_schedule(hosts, stages, collective="allreduce", k=1, algorit
                                 f"{sorted({len(u) for u in units})}")
             digits = radices(len(units), m)
             plan.append(digits)
-            _combine(b, hosts, units, digits, chunks)
+            stride = 1
+            for r in digits:
+                for u, unit in enumerate(units):
+                    if u // stride % r == 0:            # the block's first unit speaks for the block
+                        block = [units[u + e * stride] for e in range(r)]
+                        for place in range(len(unit)):
+                            _block(b, [hosts[v[place]] for v in block], chunks)
+                stride *= r
     return b.build(hosts=hosts, radices=plan, **info)
 
 
-def _combine(b, hosts, units, digits, chunks):
-    """The rounds of one group: one per digit of the mixed radix ``digits``."""
-    stride = 1
-    for r in digits:
-        colour = colouring(r)
-        for u, unit in enumerate(units):
-            d = u // stride % r
-            block = [u + (e - d) * stride for e in range(r)]      # the units differing in this digit
-            for place, host in enumerate(unit):
-                for e in range(d + 1, r):                        # each pair once, from its lower digit
-                    other = hosts[units[block[e]][place]]
-                    for c in chunks:
-                        b.exchange(hosts[host][1 + colour[d, e]], other[1 + colour[d, e]], c, reduce=False)
-        for u, unit in enumerate(units):
-            d = u // stride % r
-            for host in unit:
-                ranks = hosts[host]
-                slots = [ranks[0] if e == d else ranks[1 + colour[d, e]] for e in range(r)]
-                _merge(b, slots, [x for x in ranks if x not in slots], chunks)
-        stride *= r
-
-
-def _merge(b, slots, spare, chunks):
-    """Allreduce inside a host of the values the ranks ``slots`` hold (in slot order); ``spare`` ranks
-    hold nothing that counts and end with the result too.
-
-    Recursive doubling over ``2**ceil(log2 len(slots))`` places, slots first and spare ranks filling
-    the rest: two places that both hold a value exchange and reduce, a place that holds one copies it
-    to an empty partner. No folding, so three slots on a host of four take two rounds, not three plus
-    one to tell the fourth rank. Where the host is too small for that, the slots fold (recursive
-    doubling) and then hand the result to the spare ranks."""
-    width = 1 << (len(slots) - 1).bit_length()
-    if width > len(slots) + len(spare):
-        doubling(b, slots, chunks)
-        rest = spare
-    else:
-        places = slots + spare[:width - len(slots)]
-        rest = spare[width - len(slots):]
-        held = [True] * len(slots) + [False] * (width - len(slots))
-        for x in (1 << i for i in range(width.bit_length() - 1)):
-            for j in range(width):
-                q = j ^ x
-                if j < q and (held[j] or held[q]):
-                    for c in chunks:
-                        if held[j] and held[q]:
-                            b.exchange(places[j], places[q], c)
-                        elif held[j]:
-                            b.transfer(places[j], places[q], c)
-                        else:
-                            b.transfer(places[q], places[j], c)
-            held = [held[j] or held[j ^ x] for j in range(width)]
-    for rank in rest:
+def _block(b, members, chunks):
+    """One cross round and one merge round among the hosts ``members`` (rank lists, in digit order):
+    every rank of every member ends with the same expression of the members' sums."""
+    r = len(members)
+    if r == 2:
+        for x, y in zip(*members):
+            for c in chunks:
+                b.exchange(x, y, c)
+        return
+    lanes = (1, 2) if len(members[0]) > 2 else (0, 1)    # the keeper is needed only from radix 5
+    split = (r + 1) // 2
+    halves = (range(split), range(split, r))
+    cross = []
+    for own, host in enumerate(members):
+        for lane, half in zip(lanes, halves):
+            for i, (term, keep) in enumerate(_chain(half, own)):
+                if keep:
+                    continue
+                src = host[KEEPER] if term == own else members[term][lane]
+                cross += [(src, host[lane], c, i > 0) for c in chunks]
+    b.round(cross)
+    merge = []
+    for host in members:
+        low, high = host[lanes[0]], host[lanes[1]]
         for c in chunks:
-            b.transfer(slots[0], rank, c)
+            merge += [(low, high, c, True), (high, low, c, True)]
+            merge += [(x, rank, c, reduce) for rank in host if rank not in (low, high)
+                      for x, reduce in ((low, False), (high, True))]
+    b.round(merge)
+
+
+def _chain(half, own):
+    """The terms of ``half`` (digits) in the order a lane of host ``own`` takes them, as ``(digit,
+    kept)``: the chain ``(S_a + S_b) + S_c ...`` in digit order, where a lane already holding ``S_own``
+    keeps it as the first term if ``own`` is one of the first two (addition commutes) and otherwise
+    receives the first term into place."""
+    terms = list(half)
+    if own in terms[:2]:
+        terms.remove(own)
+        return [(own, True)] + [(t, False) for t in terms]
+    return [(t, False) for t in terms]
 
 
 def tiered_exchange(topo, collective, *, root=0, nbytes=None):
