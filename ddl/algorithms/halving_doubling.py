@@ -85,36 +85,39 @@ def fold(order):
 def _halving(b, active, segments, bits):
     """Recursive halving: at bit ``x``, position ``j`` sends its partner ``j ^ x`` the segments of the
     positions that agree with the partner on every bit done so far (including ``x``); they reduce.
-
     Messages to one peer leave in program order, so the segments the partner keeps go first and those
     it passes on soonest last: otherwise its next step would start early and slow the exchange still
-    under way (every rank's link is then shared by two steps and idles at the end)."""
-    m, done = len(active), 0
+    under way (every rank's link is then shared by two steps and idles at the end). ``bits`` are the
+    powers of two from 1 up, so the segments of a step are the partner's low bits under any high ones,
+    listed directly (the whole schedule costs its size, not ``m`` per rank and step)."""
+    m, nbits = len(active), len(bits)
     for i, x in enumerate(bits):
-        done |= x
+        hi = i + 1
         for j in range(m):
             q = j ^ x
+            low = q & ((1 << hi) - 1)
 
-            def passed_on(s):          # index of the bit at which q hands segment s on
-                return next((k for k in range(i + 1, len(bits)) if (s ^ q) & bits[k]), len(bits))
-            mine = [s for s in range(m) if (s ^ q) & done == 0]
+            def passed_on(s):          # the bit at which q hands segment s on (nbits: q keeps it)
+                u = (s ^ q) >> hi
+                return hi + (u & -u).bit_length() - 1 if u else nbits
+            mine = [low | (t << hi) for t in range(m >> hi)]
             for s in sorted(mine, key=passed_on, reverse=True):
                 for c in segments[s]:
                     b.transfer(active[j], active[q], c, reduce=True)
 
 
 def _doubling(b, active, segments, bits):
-    """Recursive doubling: at bit ``x``, position ``j`` sends everything it holds (the segments of the
-    positions that agree with it on every bit not yet done) to ``j ^ x``."""
+    """Recursive doubling: at bit ``x`` (the powers of two from the top down), position ``j`` sends
+    everything it holds -- the segments of the positions that agree with it on ``x`` and every bit
+    below -- to ``j ^ x``."""
     m = len(active)
-    todo = sum(bits)
     for x in bits:
+        hi = x.bit_length()
         for j in range(m):
-            for s in range(m):
-                if (s ^ j) & todo == 0:
-                    for c in segments[s]:
-                        b.transfer(active[j], active[j ^ x], c)
-        todo &= ~x
+            low = j & ((1 << hi) - 1)
+            for t in range(m >> hi):
+                for c in segments[low | (t << hi)]:
+                    b.transfer(active[j], active[j ^ x], c)
 
 
 def halving_doubling(topo, collective, *, root=0, nbytes=None):
