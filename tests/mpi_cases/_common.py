@@ -57,19 +57,24 @@ class Checker:
 
 def two_host_topology(n):
     """n cpu ranks on two hosts (sizes ceil(n/2), floor(n/2)) behind one switch."""
-    from ddl.topology import Topology
     if n == 1:
         return None
-    hosts = [list(range(0, (n + 1) // 2)), list(range((n + 1) // 2, n))]
-    nodes = [{"id": "sw", "kind": "switch"}] + [{"id": f"h{h}", "kind": "host"} for h in range(2)]
-    links = [{"a": f"h{h}", "b": "sw", "bandwidth": "1 GB/s", "latency": "10 us"} for h in range(2)]
+    return hosts_topology([(n + 1) // 2, n // 2])
+
+
+def hosts_topology(sizes):
+    """cpu ranks on hosts of ``sizes`` ranks behind one switch, numbered host by host."""
+    from ddl.topology import Topology
+    nodes = [{"id": "sw", "kind": "switch"}] + [{"id": f"h{h}", "kind": "host"} for h in range(len(sizes))]
+    links = [{"a": f"h{h}", "b": "sw", "bandwidth": "1 GB/s", "latency": "10 us"} for h in range(len(sizes))]
     ranks = []
-    for h, members in enumerate(hosts):
-        for r in members:
+    for h, size in enumerate(sizes):
+        for r in range(len(ranks), len(ranks) + size):
             nodes.append({"id": f"h{h}/cpu{r}", "kind": "cpu"})
             links.append({"a": f"h{h}/cpu{r}", "b": f"h{h}", "bandwidth": "10 GB/s", "latency": "1 us"})
             ranks.append(f"h{h}/cpu{r}")
-    return Topology.from_dict({"name": f"two-host-{n}", "nodes": nodes, "links": links, "ranks": ranks})
+    return Topology.from_dict({"name": f"hosts-{'-'.join(map(str, sizes))}", "nodes": nodes, "links": links,
+                               "ranks": ranks})
 
 
 def env_int(name, default):

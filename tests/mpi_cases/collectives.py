@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import BF16, RANK, SIZE, WORLD, Checker, two_host_topology  # noqa: E402
+from _common import BF16, RANK, SIZE, WORLD, Checker, hosts_topology, two_host_topology  # noqa: E402
 
 import ddl  # noqa: E402
 from ddl.ops import dtype_class  # noqa: E402
@@ -250,6 +250,28 @@ def check_algorithms():
         chk.ok(len(ran) >= 3, f"only algorithms {sorted(ran)} could run")
 
 
+def check_tiered_exchange_lanes():
+    """tiered-exchange on three hosts of two ranks (six of the ranks): radix 3, where the two ranks of
+    a host each chain half of the hosts' sums from several messages at once, then merge."""
+    if p < 6:
+        return
+    sub = WORLD.Split(0 if r < 6 else 1, r)
+    if r < 6:
+        c = ddl.Communicator(sub, topology=hosts_topology([2, 2, 2]), algorithm="tiered-exchange")
+        f32 = np.dtype(np.float32)
+        for count in (1, 13 * 6, 40_000):
+            chk.ok(c.plan(count * 4).info["radices"] == [[3]], "tiered-exchange radix 3")
+            a = inputs(r, f32, count, ddl.SUM)
+            out = np.empty_like(a)
+            c.Allreduce(a, out, op=ddl.SUM)
+            arrays = [inputs(k, f32, count, ddl.SUM).astype(np.float64) for k in range(6)]
+            tol = 8 * float(np.finfo(f32).eps) * sum(np.abs(x) for x in arrays) + 1e-30
+            chk.ok(close(out, sum(arrays), tol), f"tiered-exchange lanes {count}")
+            chk.ok(len(set(sub.allgather(out.tobytes()))) == 1, f"tiered-exchange lanes {count}: bitwise")
+        c.Free()
+    sub.Free()
+
+
 def _ar(c, count, tag):
     a = inputs(r, np.dtype(np.float32), count, ddl.SUM)
     out = np.empty_like(a)
@@ -386,6 +408,7 @@ check_inline()
 check_reproducible()
 if mode == "full" or p in (5, 8):
     check_algorithms()
+    check_tiered_exchange_lanes()
 waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")
 comm.Free()
 chk.finish(f"collectives[{mode}]", f"agreement {comm.agreement}, waiting {waiting}")
