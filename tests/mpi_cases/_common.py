@@ -59,10 +59,10 @@ def two_host_topology(n):
     """n cpu ranks on two hosts (sizes ceil(n/2), floor(n/2)) behind one switch."""
     if n == 1:
         return None
-    return hosts_topology([(n + 1) // 2, n // 2])
+    return hosts_topology([(n + 1) // 2, n // 2], name=f"two-host-{n}")
 
 
-def hosts_topology(sizes):
+def hosts_topology(sizes, name=None):
     """cpu ranks on hosts of ``sizes`` ranks behind one switch, numbered host by host."""
     from ddl.topology import Topology
     nodes = [{"id": "sw", "kind": "switch"}] + [{"id": f"h{h}", "kind": "host"} for h in range(len(sizes))]
@@ -73,8 +73,8 @@ def hosts_topology(sizes):
             nodes.append({"id": f"h{h}/cpu{r}", "kind": "cpu"})
             links.append({"a": f"h{h}/cpu{r}", "b": f"h{h}", "bandwidth": "10 GB/s", "latency": "1 us"})
             ranks.append(f"h{h}/cpu{r}")
-    return Topology.from_dict({"name": f"hosts-{'-'.join(map(str, sizes))}", "nodes": nodes, "links": links,
-                               "ranks": ranks})
+    name = name or f"hosts-{'-'.join(map(str, sizes))}"
+    return Topology.from_dict({"name": name, "nodes": nodes, "links": links, "ranks": ranks})
 
 
 def env_int(name, default):
