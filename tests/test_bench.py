@@ -225,6 +225,9 @@ def test_device_gpu_without_a_usable_gpu_is_one_clear_error(env):
     (["--plot", "out.txt"], "write a .png"),
     (["--scale", "-1"], "--scale must be a positive number"),
     (["--no-rate-check"], "--no-rate-check applies to --emulate only"),
+    (["--mtu", "9000"], "--mtu applies to --emulate only"),
+    (["--emulate", "--mtu", "jumbo"], "--mtu must be a whole number of bytes from 1280 to 65535"),
+    (["--emulate", "--mtu", "70000"], "--mtu must be a whole number of bytes from 1280 to 65535"),
 ])
 def test_argument_errors_exit_2_with_one_line(args, message, topo_file, capsys, monkeypatch):
     for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):

@@ -60,6 +60,17 @@ def test_two_rack_mapping():
     assert again == plan
 
 
+def test_frame_size_and_goodput():
+    assert plan_network(two_rack(), "ddl-7").mtu == 1500
+    plan = plan_network(two_rack(), "ddl-7", mtu="9000")
+    assert plan.mtu == 9000 and netns.NetworkPlan.from_dict(plan.to_dict()) == plan
+    assert netns.goodput(1500) == pytest.approx(0.956, abs=1e-3)     # as measured over tbf
+    assert netns.goodput(9000) == pytest.approx(0.993, abs=1e-3)
+    for bad in (576, 65536, "jumbo", 9000.5):
+        with pytest.raises(Error, match="--mtu must be a whole number of bytes from 1280 to 65535"):
+            plan_network(two_rack(), "ddl-7", mtu=bad)
+
+
 def test_interleaved_ranks_and_hydra_hosts():
     topo = two_rack(interleaved=True)
     plan = plan_network(topo, "ddl-7")
@@ -184,13 +195,16 @@ def test_cluster_selfcheck_allreduce_teardown(tmp_path):
     topo = small(f"ddl-test-{os.getpid()}")
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE)
-    cluster = Cluster.create(topo)
+    cluster = Cluster.create(topo, mtu=9000)
     try:
         tag, state = cluster.plan.tag, cluster.state_dir
         assert len(_leftovers(tag, state)[0]) == 3
         host = subprocess.run(cluster.host_argv("n1", ["hostname"]), capture_output=True, text=True,
                               timeout=10).stdout.strip()
         assert host == "n1"
+        eth0 = subprocess.run(cluster.host_argv("n1", ["cat", "/sys/class/net/eth0/mtu"]), capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        assert eth0 == "9000"                  # and the self-check below finds the rates at that size
         checks = selfcheck(cluster, topo, timeout=60)
         assert [c.cls for c in checks] == [SAME_HOST, "same switch"] and all(c.ok for c in checks)
         res = launch.run(cluster, [sys.executable, str(script)], launch.rank_hosts(topo), timeout=60,

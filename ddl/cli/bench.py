@@ -68,6 +68,9 @@ def register(subparsers):
                    help="the network runs at F times FILE's link bandwidths: with --emulate the emulator "
                         "builds it so (ddl emulate run --scale F); inside `ddl emulate run --scale F` "
                         "pass the same F. ddl plans, predicts and bounds for the scaled network")
+    p.add_argument("--mtu", default=None, metavar="N",
+                   help="with --emulate: frame size of the emulated links (ddl emulate run --mtu N; "
+                        "default 1500)")
     p.add_argument("--no-rate-check", action="store_true",
                    help="with --emulate: skip the emulator's point-to-point rate self-check")
     p.add_argument("--nranks", default=None, metavar="N",
@@ -90,6 +93,11 @@ def cmd_bench(args):
                          progress=args.progress, scale=args.scale, device=args.device)
     if args.no_rate_check and not args.emulate:
         raise Error("--no-rate-check applies to --emulate only")
+    if args.mtu is not None:
+        if not args.emulate:
+            raise Error("--mtu applies to --emulate only (the emulator sets the links' frame size)")
+        from ..emulate.netns import check_mtu
+        args.mtu = check_mtu(args.mtu)
     if args.nranks is not None and (file or under_mpi() or args.emulate):
         raise Error("--nranks is for runs without a topology file outside mpiexec "
                     "(the topology, or mpiexec -n, fixes the rank count)")
@@ -99,7 +107,7 @@ def cmd_bench(args):
                         "--emulate` without mpiexec")
         if not file:
             raise Error("--emulate needs a topology FILE")
-        return _relaunch_emulated(opts, args.no_rate_check)
+        return _relaunch_emulated(opts, args.no_rate_check, args.mtu)
     if not under_mpi():
         if file:
             from ..topology import Topology
@@ -161,11 +169,13 @@ def _relaunch_mpiexec(opts, n):
     return _child(cmd)
 
 
-def _relaunch_emulated(opts, no_rate_check):
+def _relaunch_emulated(opts, no_rate_check, mtu=None):
     scale = opts.scale
     cmd = [sys.executable, "-m", "ddl", "emulate", "run", opts.topology]
     if scale is not None:
         cmd += ["--scale", repr(scale)]
+    if mtu is not None:
+        cmd += ["--mtu", str(mtu)]
     if no_rate_check:
         cmd.append("--no-check")
     cmd += ["--", sys.executable, "-m", "ddl", "bench", *forward_argv(opts)]

@@ -59,6 +59,9 @@ def _common(p):
     p.add_argument("--no-check", action="store_true", help="skip the point-to-point rate self-check")
     p.add_argument("--scale", type=float, default=1.0, metavar="F",
                    help="multiply every bandwidth by F (e.g. 0.001 for 100 Gbit/s fabrics)")
+    p.add_argument("--mtu", default=1500, metavar="N",
+                   help="frame size of every emulated link (default 1500; 9000 = jumbo frames, less "
+                        "kernel work per byte)")
 
 
 def _usage(parser):
@@ -74,7 +77,7 @@ def _load(path):
 def cmd_up(args):
     from ..emulate.netns import Cluster
     topo = _load(args.file)
-    cluster = Cluster.create(topo, scale=args.scale)
+    cluster = Cluster.create(topo, scale=args.scale, mtu=args.mtu)
     try:
         _describe(cluster, sys.stdout)
         if not args.no_check:
@@ -115,7 +118,7 @@ def cmd_run(args):
     topo = _load(args.file)
     launch.find_mpiexec()
     with _signals_as_interrupt():
-        cluster = Cluster.create(topo, scale=args.scale)
+        cluster = Cluster.create(topo, scale=args.scale, mtu=args.mtu)
         with cluster:
             if not args.no_check:
                 _check(cluster, topo, sys.stderr)
@@ -134,6 +137,7 @@ def _split_command(args):
         late = argparse.ArgumentParser(prog="ddl emulate run", add_help=False)
         late.add_argument("--no-check", action="store_true", default=args.no_check)
         late.add_argument("--scale", type=float, default=args.scale)
+        late.add_argument("--mtu", default=args.mtu)
         late.add_argument("--timeout", type=float, default=args.timeout)
         opts, unknown = late.parse_known_args(words[:cut])
         if unknown:
@@ -151,7 +155,7 @@ def _check(cluster, topo, out):
 def _describe(cluster, out):
     plan = cluster.plan
     print(f"emulated cluster {plan.name!r} ({plan.tag}): {len(plan.hosts)} hosts, "
-          f"{len(plan.bridges)} switches, {len(plan.uplinks)} switch links", file=out)
+          f"{len(plan.bridges)} switches, {len(plan.uplinks)} switch links, MTU {plan.mtu}", file=out)
     for h in plan.hosts:
         link = (f"{h.switch}, out {format_bandwidth(h.rate_out)} / in {format_bandwidth(h.rate_in)}"
                 if h.switch else "no switch")
