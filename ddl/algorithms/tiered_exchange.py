@@ -52,8 +52,6 @@ from .ring import check_request, nested_order, pipeline_depth, rank_partitions
 
 NAME = "tiered-exchange"
 SUPPORTED = ("allreduce",)
-
-
 KEEPER = 0                 # the rank of a host that keeps its sum through a cross round
 
 
