@@ -32,7 +32,9 @@ with the k-th receive of ``c`` at ``b`` from ``a``.
 (the multi-commodity-flow planner uses it); pairs without an entry follow the topology's routes,
 split evenly.
 """
+import gc
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -44,6 +46,7 @@ from .errors import ScheduleError
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 OP_KINDS = (SEND, RECV, REDUCE)
+_IS_SEND = {SEND: True, RECV: False, REDUCE: False}
 FORMAT = "ddl.schedule/1"
 
 
@@ -121,12 +124,14 @@ class Schedule:
     @cached_property
     def dependencies(self):
         """For every rank, for every op, the indices of the earlier ops it must wait for."""
-        return tuple(_program_dependencies(program) for program in self.programs)
+        with gc_paused():
+            return tuple(_program_dependencies(program) for program in self.programs)
 
     @cached_property
     def matches(self):
         """For every rank, for every op, ``(peer, op index at peer)`` of the op it pairs with."""
-        return _match(self)
+        with gc_paused():
+            return _match(self)
 
     @property
     def nops(self):
@@ -248,8 +253,61 @@ def _program_dependencies(program):
     return tuple(deps)
 
 
+@contextmanager
+def gc_paused():
+    """Run a block without the cyclic garbage collector: building millions of small tuples (one per
+    operation) makes no cycles, but would trigger a collection every few thousand of them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _match(schedule):
-    """Pair sends with receives in MPI's non-overtaking order; raise on any op without a partner."""
+    """Pair sends with receives in MPI's non-overtaking order; raise on any op without a partner.
+
+    numpy pairs them: the k-th send and the k-th receive of one (source, destination, chunk), in
+    program order, are the k-th entries of that key in the two stably sorted key arrays. Schedules
+    with a bad operation or an unpaired one go to :func:`_match_checked`, which names it."""
+    n, programs = schedule.nranks, schedule.programs
+    lengths = [len(p) for p in programs]
+    kinds, chunks, peers = [], [], []
+    for program in programs:
+        if program:
+            k, c, q = zip(*program)
+            kinds += k
+            chunks += c
+            peers += q
+    if not kinds:
+        return tuple(() for _ in programs)
+    try:
+        send = np.fromiter(map(_IS_SEND.__getitem__, kinds), dtype=bool, count=len(kinds))
+    except (KeyError, TypeError):                # not an operation kind
+        return _match_checked(schedule)
+    chunk, peer = np.array(chunks), np.array(peers)
+    rank = np.repeat(np.arange(n), lengths)
+    if not (chunk.dtype.kind in "iu" and peer.dtype.kind in "iu"
+            and ((peer >= 0) & (peer < n) & (peer != rank) & (chunk >= 0) & (chunk < schedule.nchunks)).all()):
+        return _match_checked(schedule)
+    key = (np.where(send, rank, peer) * n + np.where(send, peer, rank)) * schedule.nchunks + chunk
+    sends, receives = np.flatnonzero(send), np.flatnonzero(~send)
+    sends = sends[np.argsort(key[sends], kind="stable")]
+    receives = receives[np.argsort(key[receives], kind="stable")]
+    if len(sends) != len(receives) or (key[sends] != key[receives]).any():
+        return _match_checked(schedule)
+    partner = np.empty(len(kinds), dtype=np.int64)
+    partner[sends], partner[receives] = receives, sends
+    base = np.concatenate(([0], np.cumsum(lengths)))
+    peer_rank = rank[partner]
+    ranks, index = peer_rank.tolist(), (partner - base[peer_rank]).tolist()
+    return tuple(tuple(zip(ranks[base[r]:base[r + 1]], index[base[r]:base[r + 1]])) for r in range(n))
+
+
+def _match_checked(schedule):
+    """:func:`_match` one operation at a time, raising on the first one that is bad or unpaired."""
     n = schedule.nranks
     queues = {}
     for rank, program in enumerate(schedule.programs):

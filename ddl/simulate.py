@@ -53,7 +53,6 @@ never the other way round.
 from __future__ import annotations
 
 import bisect
-import gc
 import heapq
 import math
 from collections import deque
@@ -62,6 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ScheduleError
+from .schedule import gc_paused
 
 __all__ = ["Simulation", "simulate", "max_min_rates"]
 
@@ -461,13 +461,8 @@ class _Run:
         return n, kind, rank, size, partner, waiting, dependents
 
     def run(self):
-        gc_was_enabled = gc.isenabled()
-        gc.disable()                   # millions of small containers: the cyclic GC only costs time here
-        try:
+        with gc_paused():              # millions of small containers: the cyclic GC only costs time here
             return self._run()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
 
     def _run(self):
         topo, schedule, fabric = self.topo, self.schedule, self.fabric

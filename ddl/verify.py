@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .errors import ScheduleError
-from .schedule import REDUCE, SEND
+from .schedule import REDUCE, SEND, gc_paused
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,11 @@ class Verdict:
 
 def verify(schedule):
     """Prove ``schedule`` correct or raise :class:`ddl.ScheduleError` naming the first broken chunk."""
-    values = _Values()
-    state = _initial_state(schedule, values)
-    reductions = _execute(schedule, state, values)
-    _check_final(schedule, state, values)
+    with gc_paused():                  # a value per reduction: millions of small tuples, no cycles
+        values = _Values()
+        state = _initial_state(schedule, values)
+        reductions = _execute(schedule, state, values)
+        _check_final(schedule, state, values)
     return Verdict(schedule.collective, schedule.nranks, schedule.nchunks, schedule.nops, reductions)
 
 

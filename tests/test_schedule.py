@@ -103,6 +103,19 @@ def test_matching_is_fifo_per_pair_and_chunk():
             assert (op.kind == "send") != (partner.kind == "send")
 
 
+def test_vectorised_matching_agrees_with_the_op_by_op_one():
+    """numpy pairs the k-th send with the k-th receive of each (source, destination, chunk); the
+    op-by-op matcher, which names bad operations, must find the same pairs (several messages of one
+    chunk between one pair included: recursive doubling's folded ranks, a ring with k > 1)."""
+    from ddl.algorithms import halving_doubling_schedule, recursive_doubling_schedule
+    from ddl.schedule import _match, _match_checked
+    order = [4, 0, 3, 1, 2, 6, 5]
+    for sched in (ring_allreduce(5, k=3), recursive_doubling_schedule(order, "allreduce", 2),
+                  halving_doubling_schedule(order, "reduce_scatter", 2), star_allreduce(4)):
+        assert _match(sched) == _match_checked(sched)
+    assert _match(Schedule("allreduce", 2, (1,), ((), ()))) == ((), ())
+
+
 def test_unmatched_and_out_of_range_ops_are_named():
     sched = ring_allreduce(3)
     progs = [list(p) for p in sched.programs]
@@ -115,6 +128,8 @@ def test_unmatched_and_out_of_range_ops_are_named():
         verify(Schedule("allreduce", 2, (1,), ((Op("send", 4, 1),), (Op("recv", 4, 0),))))
     with pytest.raises(ScheduleError, match="unknown operation"):
         verify(Schedule("allreduce", 2, (1,), ((Op("put", 0, 1),), ())))
+    with pytest.raises(ScheduleError, match="rank 0 sends it to rank 1 2 time"):
+        verify(Schedule("allreduce", 2, (1,), ((Op("send", 0, 1), Op("send", 0, 1)), (Op("recv", 0, 0),))))
 
 
 # ---- verifier ----------------------------------------------------------------------------------------
