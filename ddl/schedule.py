@@ -46,7 +46,7 @@ from .errors import ScheduleError
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 OP_KINDS = (SEND, RECV, REDUCE)
-_IS_SEND = {SEND: True, RECV: False, REDUCE: False}
+_IS_SEND = {kind: kind == SEND for kind in OP_KINDS}
 FORMAT = "ddl.schedule/1"
 
 
