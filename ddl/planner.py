@@ -16,7 +16,7 @@ import hashlib
 import json
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,7 @@ AUTO = "auto"
 PARALLEL_MIN_OPS = 100_000
 # Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
 # registered algorithms is part of the cache key anyway).
-PLANNER_REVISION = 4
+PLANNER_REVISION = 5
 
 
 @dataclass(frozen=True)
@@ -202,9 +202,9 @@ def _predict(topo, schedules, nbytes, workers):
 
     Simulated here, none is verified (the planner then proves only the schedule it picks). Simulated
     in ``workers`` forked processes, when that pays, the largest first so that the workers end
-    together: whenever a result is the fastest so far, a worker that has run out of simulations
-    verifies that schedule, so the winner is usually proved by the time the last simulation ends
-    instead of after it. Proofs of schedules that were overtaken are cancelled if not yet started."""
+    together. Whenever a result is the fastest so far, proving that schedule goes ahead of the
+    simulations still waiting, so the winner is usually proved by the time the last simulation ends
+    instead of after it. Proofs of schedules that were overtaken are dropped if not yet started."""
     from .simulate import simulate
 
     global _FORKED
@@ -212,24 +212,34 @@ def _predict(topo, schedules, nbytes, workers):
             or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
         return {name: simulate(topo, sched, nbytes) for name, sched in schedules.items()}, set()
     _FORKED = (topo, schedules, nbytes)
+    nworkers = min(workers, len(schedules))
+    pool = ProcessPoolExecutor(nworkers, mp_context=multiprocessing.get_context("fork"))
     try:
-        with ProcessPoolExecutor(min(workers, len(schedules)), mp_context=multiprocessing.get_context("fork")) as pool:
-            jobs = {pool.submit(_simulate_forked, name): name
-                    for name in sorted(schedules, key=lambda n: -schedules[n].nops)}
-            sims, proofs, best = {}, {}, None
-            for job in as_completed(jobs):
-                name = jobs[job]
-                sims[name] = job.result()
+        waiting = sorted(schedules, key=lambda n: -schedules[n].nops)   # simulations not yet started
+        running = {}                   # future -> (job, name)
+        sims, proofs, best, to_prove = {}, {}, None, None
+        while len(sims) < len(schedules) or to_prove or best not in proofs:
+            while len(running) < nworkers and (to_prove or waiting):
+                if to_prove:
+                    running[pool.submit(_verify_forked, to_prove)] = ("prove", to_prove)
+                    to_prove = None
+                else:
+                    name = waiting.pop(0)
+                    running[pool.submit(_simulate_forked, name)] = ("simulate", name)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                job, name = running.pop(future)
+                if job == "prove":
+                    proofs[name] = future
+                    continue
+                sims[name] = future.result()
                 if best is None or sims[name].seconds < sims[best].seconds:
-                    best = name
-                    proofs[name] = pool.submit(_verify_forked, name)
-            for name, proof in proofs.items():
-                if name != best:
-                    proof.cancel()
-            proofs[best].result()          # a failed proof raises ScheduleError here
-            return {name: sims[name] for name in schedules}, {best}
+                    best, to_prove = name, name
+        proofs[best].result()          # a failed proof raises ScheduleError here
+        return {name: sims[name] for name in schedules}, {best}
     finally:
         _FORKED = None
+        pool.shutdown(wait=False, cancel_futures=True)   # a proof of an overtaken leader is not waited for
 
 
 def _simulate_forked(name):

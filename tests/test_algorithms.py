@@ -7,7 +7,7 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import stage_partitions
+from ddl.algorithms.hierarchical import MAX_WAVE_OPS, WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
 from ddl.errors import PlanError
 from ddl.planner import flat_topology
@@ -279,6 +279,40 @@ def test_hierarchical_waves_overlap_the_stages():
     # one stage (a single box) has nothing to overlap: one wave, chunks no smaller than usual
     box = ALGORITHMS["hierarchical"](flat_topology(8), "allreduce", nbytes=nbytes)
     assert box.info["waves"] == 1
+
+
+def test_hierarchical_waves_ramp_up_and_down():
+    # the first and last waves are what the pipeline exposes: they are the small ones
+    assert [ramp(k) for k in (1, 2, 3, 4, 5)] == [(1,), (1, 1), (1, 2, 1), (1, 2, 2, 1), (1, 2, 3, 2, 1)]
+    topo = three_tier(gpus=4, hosts=4, racks=2)
+    nbytes = 64 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    k = sched.info["chunks_per_target"]
+    assert sched.info["ramped"] and sched.pattern == ramp(k) * topo.nranks
+    verify(sched)
+    even = hierarchical_schedule(sched.info["order"], [st["groups"] for st in sched.info["stages"]][:-1],
+                                 "allreduce", k, waves=k)
+    assert set(even.pattern) == {1}
+    assert simulate(topo, sched, nbytes).seconds < 0.97 * simulate(topo, even, nbytes).seconds
+    for collective in COLLECTIVES:
+        verify(ALGORITHMS["hierarchical"](topo, collective, root=3, nbytes=nbytes))
+
+
+@pytest.mark.parametrize("nbytes,pieces,ops,k", [
+    (64 << 20, 32, 4 * 31, 4),            # 2 MiB per target: 1+2+2+1 = 6 parts of >= 256 KiB
+    (256 << 20, 16, 4 * 15, 8),           # plenty of bytes: MAX_PIPELINE
+    (256 << 20, 192, 4 * 191, 3),         # the op budget: 192 x 4 x 764 would exceed it
+    (256 << 20, 1024, 4 * 1023, 1),
+    (1 << 20, 4, 4 * 3, 1),               # 256 KiB per target: no room for two
+    (None, 8, 28, 1),
+])
+def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k):
+    assert wave_depth(nbytes, pieces, ops) == k
+    if k > 1:
+        assert nbytes // (pieces * sum(ramp(k))) >= WAVE_MIN_BYTES and pieces * k * ops <= MAX_WAVE_OPS
+    if k < 8 and nbytes:
+        more = k + 1
+        assert (nbytes // (pieces * sum(ramp(more))) < WAVE_MIN_BYTES or pieces * more * ops > MAX_WAVE_OPS)
 
 
 def test_hierarchical_unequal_groups():

@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 
 import ddl.planner as planner_module
+from ddl.errors import ScheduleError
+from ddl.schedule import Schedule
 from ddl.cli import main
 from ddl.planner import Planner
 from ddl.topology import Topology
@@ -55,6 +57,19 @@ def test_workers_prove_the_fastest_schedule(monkeypatch):
     sims, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
     assert set(sims) == set(schedules)
     assert proved == {min(sims, key=lambda n: sims[n].seconds)}
+
+
+def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
+    # a ring allreduce cut after its reduce-scatter half simulates (every send has its receive) and
+    # is the fastest, but leaves ranks without the sum: the proof fails, and the plan with it
+    monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
+    planner = _planner("fat-tree-4x4-r8")
+    ring = planner._build("ring", "allreduce", 16 << 20, 0)
+    half = Schedule(ring.collective, ring.nranks, ring.pattern,
+                    tuple(prog[:len(prog) // 2] for prog in ring.programs), algorithm="half-ring")
+    schedules = {"half-ring": half, "hierarchical": planner._build("hierarchical", "allreduce", 16 << 20, 0)}
+    with pytest.raises(ScheduleError, match="lacks the contribution"):
+        planner_module._predict(planner.topo, schedules, 16 << 20, 2)
 
 
 def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):

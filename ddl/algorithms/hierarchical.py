@@ -23,26 +23,34 @@ move) proportionally more.
 
 Collectives: allreduce, reduce_scatter (block r ends on rank r: it is r's chunks' target), allgather,
 broadcast (a pipelined chain per group, top stage first). Each stage is a ring in the topology-aware
-ring order. Chunks: ``k = pipeline_depth(nbytes, p)`` per target (see ring.pipeline_depth); broadcast
-``k = pipeline_depth(nbytes, 1)``.
+ring order. Chunks: with one stage ``k = pipeline_depth(nbytes, p)`` per target (see
+ring.pipeline_depth; broadcast ``pipeline_depth(nbytes, 1)``), with several ``k = wave_depth(...)``
+ramped waves (below).
 
 Waves. A ring completes all its blocks together, so a stage cannot hand any share to the next
 before it ends, and the stages' times add up: the fast tiers idle while the slow one works. With
 several stages the programs therefore list the chunks in *waves*: chunk ``j`` of every target goes
 through every stage (up and back down) before chunk ``j+1`` is listed, and since operations on
 different chunks never wait on each other, wave ``j`` crosses the slow tier while wave ``j+1`` is
-reduced inside the fast ones. ``k`` chunks make ``k`` waves, and chunks go down to
-``WAVE_MIN_BYTES`` (512 KiB) for them. On the 192-rank three-tier cluster at 256 MiB this cuts the
-predicted time from 86 to 72 ms.
+reduced inside the fast ones. ``k`` chunks make ``k`` waves. What remains exposed is the first
+wave's way up to the slow tier and the last wave's way back down, so the waves *ramp*: chunk ``j``
+of ``k`` weighs ``min(j + 1, k - j)`` (1, 2, ..., 2, 1): small waves fill and drain the pipeline,
+large ones keep the slow tier busy, and the middle waves grow no faster than the slow tier absorbs
+them. Chunks go down to ``WAVE_MIN_BYTES`` (256 KiB, the smallest, first and last; as tree-packing's
+sub-chunks) and the schedule to ``MAX_WAVE_OPS`` operations, which is what simulating and verifying
+it cost. On the 192-rank three-tier cluster at 256 MiB this cuts the predicted time from 82.5 ms
+(two chunks, stage after stage) to 71.7 ms (two equal waves) and 64.6 ms (three ramped waves).
 """
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
-from .ring import (MIN_CHUNK_BYTES, check_request, nested_order, pipeline_depth, rank_partitions,
+from .ring import (MAX_PIPELINE, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
 
 NAME = "hierarchical"
-# With several stages, chunks go down to this size so that there are waves to overlap.
-WAVE_MIN_BYTES = 512 << 10
+# With several stages, chunks go down to this size so that there are waves to overlap ...
+WAVE_MIN_BYTES = 256 << 10
+# ... as long as the schedule keeps within this many operations (plan time grows with them).
+MAX_WAVE_OPS = 1 << 19
 
 
 def stage_partitions(nranks, partitions):
@@ -65,24 +73,43 @@ def stage_partitions(nranks, partitions):
     return stages
 
 
-def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, **info):
+def ramp(k):
+    """Weights of a target's ``k`` chunks when every chunk is a wave: 1, 2, ..., 2, 1."""
+    return tuple(min(j + 1, k - j) for j in range(k))
+
+
+def wave_depth(nbytes, pieces, ops_per_chunk):
+    """Ramped waves per target: the most (up to MAX_PIPELINE) whose smallest chunk of
+    ``nbytes / pieces / sum(ramp(k))`` stays >= WAVE_MIN_BYTES and whose schedule, of
+    ``ops_per_chunk`` operations per chunk, stays within MAX_WAVE_OPS."""
+    best = 1
+    for k in range(2, MAX_PIPELINE + 1):
+        if (nbytes or 0) // (pieces * sum(ramp(k))) >= WAVE_MIN_BYTES and pieces * k * ops_per_chunk <= MAX_WAVE_OPS:
+            best = k
+    return best
+
+
+def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
+                          **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
-    are split into ``waves`` (1..k) groups, each listed through every stage before the next."""
+    are split into ``waves`` (1..k) groups, each listed through every stage before the next;
+    ``ramped``: chunk ``j`` of a target weighs ``ramp(k)[j]`` instead of 1."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
     stages = stage_partitions(p, partitions)
     pos = {r: i for i, r in enumerate(order)}
     holders, children = _holders(p, stages, pos)
+    weights = ramp(k) if ramped else (1,) * k
     if collective == "allreduce":
-        b = ScheduleBuilder(collective, p, (1,) * (p * k), algorithm=algorithm)
+        b = ScheduleBuilder(collective, p, weights * p, algorithm=algorithm)
         targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
     elif collective == "broadcast":
-        b = ScheduleBuilder(collective, p, (1,) * k, root=root, algorithm=algorithm)
+        b = ScheduleBuilder(collective, p, weights, root=root, algorithm=algorithm)
         targets = {root: list(range(k))}
     else:
-        b = ScheduleBuilder(collective, p, (1,) * k, algorithm=algorithm)
+        b = ScheduleBuilder(collective, p, weights, algorithm=algorithm)
         targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
     waves = max(1, min(int(waves), k))
     for w in range(waves):
@@ -93,7 +120,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
         if collective != "reduce_scatter":
             for s in range(len(stages), 0, -1):
                 _stage(b, s, holders, children, wave, pos, ring_allgather)
-    return b.build(order=order, chunks_per_target=k, waves=waves,
+    return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -150,11 +177,14 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     parts = rank_partitions(topo)
     order, _ = nested_order(p, parts, topo.route_bandwidth)
     stages = stage_partitions(p, parts)
-    waved = len(stages) > 1          # stages to overlap: one wave per chunk (see the module docstring)
-    k = pipeline_depth(nbytes, 1 if collective == "broadcast" else p,
-                       min_bytes=WAVE_MIN_BYTES if waved else MIN_CHUNK_BYTES)
+    waved = len(stages) > 1          # stages to overlap: one ramped wave per chunk (see the module docstring)
+    pieces = 1 if collective == "broadcast" else p
+    if waved:
+        k = wave_depth(nbytes, pieces, (4 if collective == "allreduce" else 2) * (p - 1))
+    else:
+        k = pipeline_depth(nbytes, pieces)
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
     stage_bw = [tier_bw.get(groups) for groups in stages]
-    return hierarchical_schedule(order, parts, collective, k, root, waves=k if waved else 1,
+    return hierarchical_schedule(order, parts, collective, k, root, waves=k if waved else 1, ramped=waved,
                                  stage_bandwidths=[None if bw is None else float(bw) for bw in stage_bw])
