@@ -21,7 +21,9 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
   (progressive filling: all unfrozen flows grow at the same rate, a link that fills up freezes the flows
   through it). Rates are recomputed only when the set of active flows changes; flows that drain, and
   events that fire, within a relative ``1e-9`` of each other are handled as one event (at the latest of
-  their times), so a symmetric step of ``p`` flows costs one rate computation, not ``p``.
+  their times), so a symmetric step of ``p`` flows costs one rate computation, not ``p``; and a rank
+  pair whose next message leaves the instant its previous one drained keeps its rate (a pipeline's
+  back-to-back chunks cost no rate computation at all).
 * **Latency.** A transfer's data *arrives* one path latency after its last byte leaves:
   ``arrival = drain end + latency``, the latency of a path being the sum of its links' latencies and,
   with several paths, the largest among those with a non-zero share. Bandwidth and latency thus
@@ -526,7 +528,8 @@ class _Run:
         bheap = []                     # (drain time of the bundle's next flow, bundle, version)
         changed = set()                # bundles whose number of flows changed since the last rate update
         repush = set()                 # bundles whose next drain time changed
-        shrunk = []
+        emptied = set()                # bundles whose last flow drained at this instant
+        carried_on = []                # ... and that took the next flow of their pair at once
         events = 0
 
         # a receive whose data and dependencies are there completes at once (DONE) unless it reduces
@@ -601,6 +604,12 @@ class _Run:
                             v = b_v[b] = 0.0
                             for l in bundle_links[b]:
                                 link_bundles[l].add(b)
+                            if b in emptied:   # drained just now: the same flows as before, same rates
+                                emptied.discard(b)
+                                rate = b_rate[b]
+                                for l in bundle_links[b]:
+                                    link_load[l] += rate
+                                carried_on.append(b)
                         b_t[b] = now
                         b_m[b] = m + 1
                         q = b_flows[b]
@@ -612,6 +621,18 @@ class _Run:
                         changed.add(b)
             pair_dirty.clear()
             makespan = now
+            if emptied:                # bundles that drained and did not carry on lose their rates
+                for b in emptied:
+                    b_rate[b] = 0.0
+                    held[bottleneck[b]].discard(b)
+                    bottleneck[b] = -1
+                emptied.clear()
+            if carried_on:             # a bundle that drained and took its next flow at once: the set of
+                for b in carried_on:   # active bundles, hence every rate, is what it was
+                    if b_m[b] == 1:
+                        changed.discard(b)
+                        repush.add(b)
+                carried_on = []
 
             # ---- load changed: repair the max-min fair rates around the changes ----
             if changed:
@@ -687,7 +708,7 @@ class _Run:
                         on = link_bundles[l]
                         on.discard(b)
                         link_load[l] = link_load[l] + delta if on else 0.0
-                    shrunk.append(b)
+                    emptied.add(b)
             fired = []
             while heap and heap[0][0] <= limit:
                 t, x = heappop(heap)
@@ -695,12 +716,6 @@ class _Run:
                 if t > t_hi:
                     t_hi = t
             now = t_hi
-            if shrunk:
-                for b in shrunk:
-                    b_rate[b] = 0.0
-                    held[bottleneck[b]].discard(b)
-                    bottleneck[b] = -1
-                shrunk = []
             if drained:
                 landing = {}           # latency -> transfers drained now that arrive after it
                 for g in drained:

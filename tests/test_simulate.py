@@ -297,6 +297,24 @@ def test_flow_bottlenecked_elsewhere_leaves_the_rest_to_the_other():
     assert close(sim.link_utilisation[("sw", "g2")], (N / B) / sim.seconds)
 
 
+def test_back_to_back_messages_of_a_pair_carry_on_without_a_rate_update():
+    # g0 sends four N/8 chunks to g2 one after the other while g1 sends N/2: g2's downlink gives each
+    # pair B/2 throughout, so both end at N/B. The three hand-overs between g0's messages leave the
+    # set of active flows as it was, so they cost no rate update: one at the start, one at the end.
+    B, lat, N = 8 * GB, 1 * US, 8e6
+    sched = one_transfer_each(3, [(0, 2, 0), (0, 2, 1), (0, 2, 2), (0, 2, 3), (1, 2, 4)], (1, 1, 1, 1, 4))
+    sim = simulate(star(3, B, lat), sched, N)
+    assert close(sim.seconds, N / B + 2 * lat)
+    assert sim.events == 2
+    # with a gap between the messages (each waits for the one before to arrive) the rates do change
+    b = ScheduleBuilder("allreduce", 3, (1, 1, 4))
+    b.transfer(0, 2, 0)
+    b.transfer(2, 0, 0)
+    b.transfer(0, 2, 1)
+    b.transfer(1, 2, 2)
+    assert simulate(star(3, B, lat), b.build(), N).events > 2
+
+
 def test_max_min_rates_progressive_filling():
     # link 0 (cap 1): flows 0, 1; link 1 (cap 2): flows 1, 2
     mat = np.array([[0, -1], [0, 1], [1, -1]])
