@@ -250,6 +250,20 @@ def check_algorithms():
         chk.ok(len(ran) >= 3, f"only algorithms {sorted(ran)} could run")
 
 
+def check_hierarchical_ramped_waves():
+    """hierarchical on two hosts at 8 MiB: its chunks are waves of unequal sizes (1, 2, ..., 2, 1 per
+    target); the sums must still be right and bitwise the same everywhere."""
+    if p < 3:                  # hosts of one rank each: a single stage, nothing to overlap
+        return
+    topo = two_host_topology(p)
+    c = ddl.Communicator(WORLD, topology=topo, algorithm="hierarchical")
+    count = 2 << 20
+    sched = c.plan(count * 4)
+    chk.ok(sched.info["ramped"] and len(set(sched.pattern)) > 1, f"not ramped: {sched.pattern[:8]}")
+    _ar(c, count, "hierarchical ramped waves")
+    c.Free()
+
+
 def check_tiered_exchange_lanes():
     """tiered-exchange on three hosts of two ranks (six of the ranks): radix 3, where the two ranks of
     a host each chain half of the hosts' sums from several messages at once, then merge."""
@@ -408,6 +422,7 @@ check_inline()
 check_reproducible()
 if mode == "full" or p in (5, 8):
     check_algorithms()
+    check_hierarchical_ramped_waves()
     check_tiered_exchange_lanes()
 waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")
 comm.Free()
