@@ -301,3 +301,41 @@ def test_simulated_at_bound_with_direct_trees(topo, collective):
     sched = tree_packing(topo, collective, nbytes=N)
     ratio = simulate(topo, sched, N).seconds / lower_bound(topo, collective, N).seconds
     assert 1 - 1e-9 <= ratio <= 1.02
+
+
+# ---------------------------------------------------------------------------------------------------
+# direct-link-trees: the same packing over rank-to-rank links only (Blink's NVLink-only trees)
+
+
+def test_direct_link_trees_use_nvlink_only_on_the_dgx1():
+    from ddl.planner import Planner
+    from ddl.simulate import simulate
+
+    topo = Topology.load("topologies/dgx1-v100.yaml")
+    graph, why_not = tp.direct_links(topo)
+    assert why_not is None
+    assert graph.number_of_edges() == 2 * (len(DGX1_DOUBLE) + len(DGX1_SINGLE))
+    sched = tp.direct_link_trees(topo, "allreduce", nbytes=N)
+    assert sched.algorithm == "direct-link-trees"
+    # the NVLink optimum (150 GB/s bus bandwidth), not the 162 GB/s that PCIe and QPI add
+    assert 2 * 7 / 8 / sched.info["seconds_per_byte"] == pytest.approx(150 * GB, rel=1e-3)
+    ranks = set(topo.ranks)
+    assert all(len(path) == 2 and set(path) <= ranks for routes in sched.routes.values() for path, _ in routes)
+    full = tree_packing(topo, "allreduce", nbytes=N)
+    assert sum(sched.info["trees"]) < sum(full.info["trees"]) / 4
+    # fewer trees lose less to links shared fairly among them: faster although the LP is slower
+    assert simulate(topo, sched, N).seconds < 0.95 * simulate(topo, full, N).seconds
+    plan = Planner(topo, use_disk_cache=False).plan("allreduce", N)
+    assert plan.algorithm == "direct-link-trees" and plan.gap < 1.13
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+        verify(tp.direct_link_trees(topo, collective, root=5, nbytes=8 << 20))
+
+
+def test_direct_link_trees_decline_without_a_sub_fabric():
+    with pytest.raises(PlanError, match="not all joined by links from rank to rank"):
+        tp.direct_link_trees(Topology.load("topologies/dgx-a100.yaml"), "allreduce", nbytes=N)
+    mesh = Topology("mesh3", [{"id": f"g{i}", "kind": "gpu"} for i in range(3)],
+                    [{"a": f"g{i}", "b": f"g{j}", "bandwidth": 10 * GB} for i in range(3) for j in range(i)],
+                    [f"g{i}" for i in range(3)])
+    with pytest.raises(PlanError, match="would repeat tree-packing"):
+        tp.direct_link_trees(mesh, "allreduce", nbytes=N)

@@ -15,6 +15,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
   per rank at once, for latency-bound sizes on tiered clusters; allreduce;
 * ``tree-packing`` -- ForestColl's optimal packing of spanning trees (Blink-style few, shallow trees);
   all four collectives, up to 64 ranks;
+* ``direct-link-trees`` -- tree-packing over the links that join two ranks directly (Blink's NVLink-only
+  trees), where the ranks are joined by them and the fabric also has shared paths; up to 64 ranks;
 * ``reduce-broadcast-trees`` -- Blink's packing of spanning trees, each reducing to its centre and
   broadcasting back (both directions of every link at work); allreduce, up to 64 ranks;
 * ``multicommodity-flow`` -- the best base schedule with its transfers routed by a min-cost
@@ -30,7 +32,7 @@ from .recursive_doubling import recursive_doubling, recursive_doubling_schedule
 from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
 from .tiered_exchange import repeats_doubling, tiered_exchange, tiered_exchange_schedule
-from .tree_packing import tree_packing
+from .tree_packing import direct_link_trees, tree_packing
 
 ALGORITHMS = {
     "ring": ring,
@@ -40,6 +42,7 @@ ALGORITHMS = {
     "hierarchical": hierarchical,
     "tiered-exchange": tiered_exchange,
     "tree-packing": tree_packing,
+    "direct-link-trees": direct_link_trees,
     "reduce-broadcast-trees": reduce_broadcast_trees,
     "multicommodity-flow": multicommodity_flow,
 }
@@ -52,6 +55,6 @@ REDUNDANT = {
 }
 
 __all__ = ["ALGORITHMS", "REDUNDANT", "ring", "halving_doubling", "double_binary_tree", "hierarchical",
-           "multicommodity_flow", "tree_packing", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
+           "multicommodity_flow", "tree_packing", "direct_link_trees", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
            "hierarchical_schedule", "tiered_exchange", "tiered_exchange_schedule"]

@@ -48,6 +48,11 @@ breadth-first order (leaves first for reductions), so an executor that serves a 
 order pipelines as well. ``Schedule.routes`` pins the physical paths the LP chose (byte shares per
 rank pair), so the simulator and executors load the links the LP planned.
 
+``direct-link-trees`` (:func:`direct_link_trees`) runs the same packing over the links that join two
+ranks directly and nothing else, as Blink packs NVLink alone: on a DGX-1 the PCIe switches and CPUs
+add 8% to the LP's bandwidth (162 against 150 GB/s bus bandwidth) but take 195 trees instead of 26
+to use it, and the trees then share links unevenly; the planner simulates both and keeps the faster.
+
 Limits: at most :data:`MAX_RANKS` (64) ranks -- the LP grows as ``p`` roots x links; big symmetric
 clusters are the ``hierarchical`` algorithm's job. A packing whose trees cut the blocks into so many
 pieces that the schedule needs more than :data:`MAX_PLAN_TRANSFERS` transfers before pipelining
@@ -71,6 +76,7 @@ from ..schedule import ScheduleBuilder
 from .arborescence import pack_arborescences
 
 NAME = "tree-packing"
+DIRECT = "direct-link-trees"
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 MAX_RANKS = 64
 GRID = 1 << 20                    # tree weights are integers out of GRID per block
@@ -187,14 +193,14 @@ def _symmetric(graph):
 
 
 @functools.lru_cache(maxsize=64)
-def _forest(topo, direction, root=None):
+def _forest(topo, direction, root=None, direct=False):
     """``direction``: "out" (allgather trees from every root), "in" (reduce-scatter trees into every
-    root), "bcast" (out-trees from ``root``)."""
-    graph = topo.usable_graph()
+    root), "bcast" (out-trees from ``root``); ``direct``: on :func:`direct_links` only."""
+    graph = direct_links(topo)[0] if direct else topo.usable_graph()
     p = topo.nranks
     if direction == "in":
         if _symmetric(graph):
-            out = _forest(topo, "out")
+            out = _forest(topo, "out", None, direct)
             forest = object.__new__(_Forest)
             forest.__dict__.update(out.__dict__)
             forest.inward = True
@@ -204,7 +210,7 @@ def _forest(topo, direction, root=None):
         graph = nx.DiGraph(graph).reverse(copy=True)
     roots = tuple(range(p)) if root is None else (root,)
     known = None
-    if direction != "bcast":
+    if direction != "bcast" and not direct:
         from ..bounds import cut_bound
 
         known = cut_bound(topo, reverse=(direction == "in")).seconds_per_byte * p
@@ -216,35 +222,68 @@ def _forest(topo, direction, root=None):
 # schedule
 
 
-def tree_packing(topo, collective, *, root=0, nbytes=None):
-    """Schedule ``collective`` on ``topo`` over an optimal packing of spanning trees (module docstring).
+@functools.lru_cache(maxsize=16)
+def direct_links(topo):
+    """``(graph, why_not)``: the links that join two ranks directly (NVLink between GPUs) as a frozen
+    DiGraph, or None and the reason when the ranks do not all reach each other over them or every
+    traffic-carrying link is one of them."""
+    graph = topo.usable_graph()
+    ranks = set(topo.ranks)
+    direct = nx.DiGraph()
+    direct.add_nodes_from(ranks)
+    direct.add_edges_from((u, v, d) for u, v, d in graph.edges(data=True) if u in ranks and v in ranks)
+    if direct.number_of_edges() == graph.number_of_edges():
+        return None, f"every link joins two ranks, so it would repeat {NAME}"
+    if not nx.is_strongly_connected(direct):
+        return None, "the ranks are not all joined by links from rank to rank (NVLink between GPUs)"
+    return nx.freeze(direct), None
+
+
+def direct_link_trees(topo, collective, *, root=0, nbytes=None):
+    """:func:`tree_packing` over the links that join two ranks directly (:func:`direct_links`) and
+    nothing else: Blink's NVLink-only trees. Where slower shared paths (PCIe switches, CPUs) add a
+    little bandwidth, the full packing needs many more trees to use it, and trees that share links
+    lose to fair sharing what the LP gained (DGX-1 at 256 MiB: 195 trees predicted at 1.22 times the
+    bound, against 26 trees at 1.12); the planner's simulation decides. Raises PlanError where there
+    is no such sub-fabric."""
+    if topo.nranks > 1:
+        graph, why_not = direct_links(topo)
+        if graph is None:
+            raise PlanError(f"{DIRECT}: {why_not}")
+    return tree_packing(topo, collective, root=root, nbytes=nbytes, direct=True)
+
+
+def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
+    """Schedule ``collective`` on ``topo`` over an optimal packing of spanning trees (module docstring);
+    ``direct``: over :func:`direct_links` only (see :func:`direct_link_trees`).
 
     Raises :class:`ddl.PlanError` for an unknown collective, a bad root, more than :data:`MAX_RANKS`
     ranks, or a packing too fine-grained to run (:data:`MAX_PLAN_TRANSFERS`)."""
+    name = DIRECT if direct else NAME
     if collective not in COLLECTIVES:
-        raise PlanError(f"{NAME} does not support the collective {collective!r}; it plans {', '.join(COLLECTIVES)}")
+        raise PlanError(f"{name} does not support the collective {collective!r}; it plans {', '.join(COLLECTIVES)}")
     p = topo.nranks
     if not 0 <= root < p:
         raise PlanError(f"root {root} is not a rank (there are {p})")
     if p > MAX_RANKS:
-        raise PlanError(f"{NAME} solves an LP over {p} roots x {len(topo.usable_graph().edges)} links; it is "
+        raise PlanError(f"{name} solves an LP over {p} roots x {len(topo.usable_graph().edges)} links; it is "
                         f"limited to {MAX_RANKS} ranks (use 'hierarchical' for large symmetric clusters)")
-    b = ScheduleBuilder(collective, p, (1,), root=root, algorithm=NAME)
+    b = ScheduleBuilder(collective, p, (1,), root=root, algorithm=name)
     if p == 1:
         return b.build(trees=0)
     nbytes = DEFAULT_NBYTES if not nbytes else int(nbytes)
 
     if collective == "allgather":
-        forests = [_forest(topo, "out")]
+        forests = [_forest(topo, "out", None, direct)]
         blocks = list(range(p))
     elif collective == "reduce_scatter":
-        forests = [_forest(topo, "in")]
+        forests = [_forest(topo, "in", None, direct)]
         blocks = list(range(p))
     elif collective == "allreduce":
-        forests = [_forest(topo, "in"), _forest(topo, "out")]
+        forests = [_forest(topo, "in", None, direct), _forest(topo, "out", None, direct)]
         blocks = list(range(p))
     else:
-        forests = [_forest(topo, "bcast", root)]
+        forests = [_forest(topo, "bcast", root, direct)]
         blocks = [root]
     block_bytes = nbytes / len(blocks)
 
@@ -262,7 +301,7 @@ def tree_packing(topo, collective, *, root=0, nbytes=None):
     if transfers > MAX_PLAN_TRANSFERS:
         # Too fine-grained: simulating it takes minutes and an executor spends its time on message
         # overheads. The optimum is kept in the error so that users see what was given up.
-        raise PlanError(f"{NAME}: the packing's trees cut every block into {len(pieces)} pieces, {transfers} "
+        raise PlanError(f"{name}: the packing's trees cut every block into {len(pieces)} pieces, {transfers} "
                         f"transfers before pipelining (limit {MAX_PLAN_TRANSFERS}); 'hierarchical' and "
                         f"'multicommodity-flow' plan this fabric")
     # tree of each (forest, block, piece), and the smallest tree weight over each piece
@@ -298,7 +337,7 @@ def tree_packing(topo, collective, *, root=0, nbytes=None):
     per_block = len(pattern)
     if collective == "allreduce" or collective == "broadcast":
         pattern = pattern * len(blocks)           # one buffer: the logical blocks side by side
-    b = ScheduleBuilder(collective, p, pattern, root=root, algorithm=NAME)
+    b = ScheduleBuilder(collective, p, pattern, root=root, algorithm=name)
     route_bytes = {}
 
     def chunk_id(bi, c):
