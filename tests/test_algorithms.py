@@ -9,6 +9,7 @@ from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule,
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import MAX_WAVE_OPS, WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
+from ddl.algorithms.tree_packing import direct_links
 from ddl.errors import PlanError
 from ddl.planner import flat_topology
 from ddl.simulate import simulate
@@ -23,6 +24,7 @@ SUPPORTS = {
     "hierarchical": COLLECTIVES,
     "tiered-exchange": ("allreduce",),
     "tree-packing": COLLECTIVES,
+    "direct-link-trees": COLLECTIVES,
     "reduce-broadcast-trees": ("allreduce",),
     "multicommodity-flow": COLLECTIVES,
 }
@@ -52,8 +54,24 @@ def flat(name, p, collective, k=1, root=0, order=None):
     if name in ("tree-packing", "reduce-broadcast-trees", "multicommodity-flow"):
         # planners that need a fabric: a star; k picks a small or a large (pipelined) message
         return ALGORITHMS[name](flat_topology(p), collective, root=root, nbytes=64 << (10 * k))
+    if name == "direct-link-trees":
+        # direct links in a ring beside the star: the sub-fabric it packs
+        return ALGORITHMS[name](ring_beside_switch(p), collective, root=root, nbytes=64 << (10 * k))
     # two tiers: groups of 4 (last one smaller), then groups of 8: unequal sizes on purpose
     return hierarchical_schedule(order, [groups_of(order, 4), groups_of(order, 8)], collective, k, root, waves=k)
+
+
+def ring_beside_switch(p):
+    """``p`` GPU ranks on one switch (10 GB/s), neighbours also joined directly (25 GB/s)."""
+    from ddl.topology import Topology
+
+    pairs = sorted({tuple(sorted((i, (i + 1) % p))) for i in range(p) if p > 1})
+    return Topology.from_dict({
+        "name": f"ring-beside-switch-{p}",
+        "nodes": [{"id": "sw", "kind": "switch"}] + [{"id": f"g{i}", "kind": "gpu"} for i in range(p)],
+        "links": [{"a": f"g{i}", "b": "sw", "bandwidth": "10 GB/s"} for i in range(p)]
+                 + [{"a": f"g{a}", "b": f"g{b}", "bandwidth": "25 GB/s"} for a, b in pairs],
+        "ranks": [f"g{i}" for i in range(p)]})
 
 
 def cluster(hosts, gpus, interleave=False, intra="100 GB/s", inter="10 GB/s"):
@@ -116,6 +134,10 @@ def test_flat_schedules_verify(name, k):
 def test_topology_schedules_verify(name):
     topos = [cluster(4, 4, interleave=True), cluster(3, 3), three_tier(), dgx1(), cluster(1, 1)]
     for topo in topos:
+        if name == "direct-link-trees" and topo.nranks > 1 and direct_links(topo)[0] is None:
+            with pytest.raises(PlanError, match="not all joined by links from rank to rank"):
+                ALGORITHMS[name](topo, "allreduce")
+            continue
         for collective in SUPPORTS[name]:
             plain = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=4096)
             piped = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=64 << 20)
@@ -134,7 +156,7 @@ def _must_pipeline(plain, piped):
         if plain.info["base_algorithm"] != info["base_algorithm"]:
             return False
         algorithm, info = info["base_algorithm"], info["base_info"]
-    return not (algorithm == "tree-packing" and info.get("depth") == 1
+    return not (algorithm in ("tree-packing", "direct-link-trees") and info.get("depth") == 1
                 and piped.collective in ("allgather", "broadcast"))
 
 
@@ -148,10 +170,11 @@ def test_unsupported_collective_is_a_plan_error(name):
 
 
 def test_deterministic():
-    topo = three_tier()
     for name, fn in ALGORITHMS.items():
+        make = dgx1 if name == "direct-link-trees" else three_tier     # it needs rank-to-rank links
+        topo = make()
         for collective in SUPPORTS[name]:
-            a, b = fn(topo, collective, nbytes=1 << 26), fn(three_tier(), collective, nbytes=1 << 26)
+            a, b = fn(topo, collective, nbytes=1 << 26), fn(make(), collective, nbytes=1 << 26)
             assert a == b and a.info == b.info and a.to_json() == b.to_json()
 
 
@@ -380,6 +403,10 @@ def test_192_ranks_build_and_verify_in_seconds():
     assert topo.nranks == 192
     report = []
     for name, fn in ALGORITHMS.items():
+        if name == "direct-link-trees":  # no rank-to-rank links here
+            with pytest.raises(PlanError, match="not all joined"):
+                fn(topo, "allreduce")
+            continue
         if name == "tree-packing":  # its LP has one block of rows per root: hierarchical's job here
             with pytest.raises(PlanError, match="limited to 64 ranks"):
                 fn(topo, "allreduce")

@@ -246,10 +246,6 @@ def direct_link_trees(topo, collective, *, root=0, nbytes=None):
     lose to fair sharing what the LP gained (DGX-1 at 256 MiB: 195 trees predicted at 1.22 times the
     bound, against 26 trees at 1.12); the planner's simulation decides. Raises PlanError where there
     is no such sub-fabric."""
-    if topo.nranks > 1:
-        graph, why_not = direct_links(topo)
-        if graph is None:
-            raise PlanError(f"{DIRECT}: {why_not}")
     return tree_packing(topo, collective, root=root, nbytes=nbytes, direct=True)
 
 
@@ -265,6 +261,8 @@ def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
     p = topo.nranks
     if not 0 <= root < p:
         raise PlanError(f"root {root} is not a rank (there are {p})")
+    if direct and p > 1 and (why_not := direct_links(topo)[1]):
+        raise PlanError(f"{name}: {why_not}")
     if p > MAX_RANKS:
         raise PlanError(f"{name} solves an LP over {p} roots x {len(topo.usable_graph().edges)} links; it is "
                         f"limited to {MAX_RANKS} ranks (use 'hierarchical' for large symmetric clusters)")
