@@ -308,7 +308,6 @@ def test_simulated_at_bound_with_direct_trees(topo, collective):
 
 
 def test_direct_link_trees_use_nvlink_only_on_the_dgx1():
-    from ddl.planner import Planner
     from ddl.simulate import simulate
 
     topo = Topology.load("topologies/dgx1-v100.yaml")
@@ -324,9 +323,9 @@ def test_direct_link_trees_use_nvlink_only_on_the_dgx1():
     full = tree_packing(topo, "allreduce", nbytes=N)
     assert sum(sched.info["trees"]) < sum(full.info["trees"]) / 4
     # fewer trees lose less to links shared fairly among them: faster although the LP is slower
-    assert simulate(topo, sched, N).seconds < 0.95 * simulate(topo, full, N).seconds
-    plan = Planner(topo, use_disk_cache=False).plan("allreduce", N)
-    assert plan.algorithm == "direct-link-trees" and plan.gap < 1.13
+    seconds = simulate(topo, sched, N).seconds
+    assert seconds < 0.95 * simulate(topo, full, N).seconds
+    assert seconds < 1.13 * lower_bound(topo, "allreduce", N).seconds
     for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
         verify(tp.direct_link_trees(topo, collective, root=5, nbytes=8 << 20))
 
