@@ -47,8 +47,11 @@ than a link's residual capacity), every byte of every chunk is carried over ever
 and every message pays the full latency of its path after its last byte is sent, on top of the time its
 dependencies took. Nothing is ever done earlier than the dataflow allows; the only approximation,
 merging events within ``1e-9`` relative time, always moves events *later*. So any lower bound that holds
-for every execution on the topology (cut/bandwidth bounds, latency bounds; :mod:`ddl.bounds`) also holds
-for the simulated time. The model can be *pessimistic* (max-min fair sharing is not the optimal rate
+for every execution on the topology (cut/bandwidth bounds; :mod:`ddl.bounds`) also holds for the
+simulated time. The latency bound of :mod:`ddl.bounds` is the round model's (a rank sends and receives
+one message at a time): it holds for schedules that move one message per rank and step (rings,
+halving-doubling), but a rank here may send or receive several at once, so a tree with several
+children can be predicted below it at tiny sizes. The model can be *pessimistic* (max-min fair sharing is not the optimal rate
 allocation for the makespan; a multi-path transfer waits for its slowest path plus its largest latency),
 never the other way round.
 """

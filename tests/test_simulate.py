@@ -489,25 +489,32 @@ def cases(draw):
     if p & (p - 1) == 0:
         makers.append(("allreduce", halving_doubling))
     collective, make = draw(st.sampled_from(makers))
-    sched = make(p)
+    sched, planned = make(p), False
     if ALGORITHMS is not None and draw(st.booleans()):
         name = draw(st.sampled_from(sorted(ALGORITHMS)))
         try:
-            sched = ALGORITHMS[name](topo, collective, nbytes=None)
+            sched, planned = ALGORITHMS[name](topo, collective, nbytes=None), True
         except Exception:           # noqa: BLE001 - an algorithm that does not apply
             pass
     nbytes = draw(st.sampled_from([1e3, 1e6, 3e7])) * p
-    return topo, collective, sched, nbytes
+    return topo, collective, sched, nbytes, planned
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_never_below_the_lower_bound_and_matches_reference(case):
-    topo, collective, sched, nbytes = case
+    topo, collective, sched, nbytes, planned = case
     sim = simulate(topo, sched, nbytes)
     assert all(u <= 1 + 1e-9 for u in sim.link_utilisation.values())
     if lower_bound is not None:
-        assert sim.seconds >= lower_bound(topo, collective, nbytes).seconds * (1 - 1e-9)
+        bound = lower_bound(topo, collective, nbytes)
+        assert sim.seconds >= bound.bandwidth_seconds * (1 - 1e-9)
+        if not planned:
+            # The latency bound is the round model's (one message in and one out per rank at a time);
+            # the simulator lets a rank send several at once, so a planner's schedule (a tree with
+            # several children, direct sends to every rank) may beat it at tiny sizes, as the README
+            # says. The hand-built rings and halving-doubling here move one message per step.
+            assert sim.seconds >= bound.seconds * (1 - 1e-9)
     if sched.nops <= 400:
         assert close(sim.seconds, reference(topo, sched, nbytes), 1e-6)
 
