@@ -40,20 +40,20 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
 
 Why the prediction is never optimistic
 --------------------------------------
-The simulated execution is itself a feasible execution on the modelled fabric (serving one rank
-pair's messages in turn only removes freedom): at every instant the rates of the flows through a link
-sum to at most its capacity (progressive filling never hands out more
-than a link's residual capacity), every byte of every chunk is carried over every link of its route,
-and every message pays the full latency of its path after its last byte is sent, on top of the time its
-dependencies took. Nothing is ever done earlier than the dataflow allows; the only approximation,
-merging events within ``1e-9`` relative time, always moves events *later*. So any lower bound that holds
-for every execution on the topology (cut/bandwidth bounds; :mod:`ddl.bounds`) also holds for the
-simulated time. The latency bound of :mod:`ddl.bounds` is the round model's (a rank sends and receives
-one message at a time): it holds for schedules that move one message per rank and step (rings,
-halving-doubling), but a rank here may send or receive several at once, so a tree with several
-children can be predicted below it at tiny sizes. The model can be *pessimistic* (max-min fair sharing is not the optimal rate
-allocation for the makespan; a multi-path transfer waits for its slowest path plus its largest latency),
-never the other way round.
+The simulated execution is itself a feasible execution on the modelled fabric (serving one rank pair's
+messages in turn only removes freedom): at every instant the rates of the flows through a link sum to
+at most its capacity (progressive filling never hands out more than a link's residual capacity), every
+byte of every chunk is carried over every link of its route, and every message pays the full latency of
+its path after its last byte is sent, on top of the time its dependencies took. Nothing is ever done
+earlier than the dataflow allows; the only approximation, merging events within ``1e-9`` relative time,
+always moves events *later*. So any lower bound that holds for every execution on the topology
+(cut/bandwidth bounds; :mod:`ddl.bounds`) also holds for the simulated time. The latency bound of
+:mod:`ddl.bounds` is the round model's (a rank sends and receives one message at a time): it holds for
+schedules that move one message per rank and step (rings, halving-doubling), but a rank here may send
+or receive several at once, so a tree with several children can be predicted below it at tiny sizes.
+The model can be *pessimistic* (max-min fair sharing is not the optimal rate allocation for the
+makespan; a multi-path transfer waits for its slowest path plus its largest latency), never the other
+way round.
 """
 from __future__ import annotations
 
