@@ -6,6 +6,12 @@ there, :data:`ddl.algorithms.REDUNDANT`), predicts its time with the simulator, 
 fastest (ties go to the algorithm registered first, which lists the simpler ones first). The answer
 also reports the lower bound, so every choice comes with its distance from the optimum.
 
+A candidate's simulation stops as soon as it provably cannot beat the fastest one simulated so far
+(:class:`ddl.simulate.Outpaced`: the simulated time plus the bytes a link has yet to carry exceeds it);
+the plan then reports how slow it is at least. The choice is the same as with every simulation run
+to its end, since only strictly slower candidates are stopped. ``exhaustive=True`` runs them all out,
+for comparison tables.
+
 Schedules depend on the message size only through the choice of algorithm and its pipelining depth, so
 plans are cached by *size class* (the power of two at or above ``nbytes``): in memory per
 :class:`Planner`, and on disk under ``$DDL_CACHE_DIR`` (default ``~/.cache/ddl``) keyed by the topology
@@ -14,6 +20,7 @@ with its plans, and plans chosen by an older cost model are not reused.
 """
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -21,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import PlanError, ScheduleError
-from .schedule import COLLECTIVES, Schedule
+from .schedule import COLLECTIVES, Schedule, gc_paused
+from .simulate import Outpaced, simulate
 
 AUTO = "auto"
 # Candidates with fewer operations than this in all are simulated in this process: forking costs more.
@@ -48,6 +56,7 @@ class Plan:
     reason: str = ""
     busiest: tuple = ()
     skipped: dict = field(default_factory=dict)   # algorithm -> why it was not planned here
+    outpaced: dict = field(default_factory=dict)  # algorithm -> at least this many seconds (not run out)
 
     @property
     def gap(self):
@@ -116,8 +125,9 @@ class Planner:
         return sched
 
     # ---- full plans (with predictions, for users and the CLI) -----------------------------------
-    def plan(self, collective, nbytes, algorithm=AUTO, root=0):
-        """Build, predict and compare; see :class:`Plan`."""
+    def plan(self, collective, nbytes, algorithm=AUTO, root=0, exhaustive=False):
+        """Build, predict and compare; see :class:`Plan`. ``exhaustive``: simulate every candidate to
+        its end, even those that provably lose (for tables that compare them)."""
         from .algorithms import REDUNDANT
         from .bounds import lower_bound
 
@@ -135,13 +145,15 @@ class Planner:
                 skipped[name] = why
                 continue
             try:
-                sched = self._build(name, collective, nbytes, root)
+                with gc_paused():      # millions of small tuples and no cycles: collections only cost
+                    sched = self._build(name, collective, nbytes, root)
             except PlanError as exc:
                 skipped[name] = str(exc)
                 continue
             built[name] = sched
-        predicted, proved = _predict(self.topo, built, nbytes, self.workers)
-        candidates = {name: (sched, predicted[name]) for name, sched in built.items()}
+        prune = algorithm == AUTO and not exhaustive
+        predicted, outpaced, proved = _predict(self.topo, built, nbytes, self.workers, prune)
+        candidates = {name: (sched, predicted[name]) for name, sched in built.items() if name in predicted}
         if algorithm != AUTO and algorithm not in candidates:
             raise PlanError(f"algorithm {algorithm!r} cannot plan {collective} here: {skipped.get(algorithm)}")
         if not candidates:
@@ -151,10 +163,10 @@ class Planner:
         verified = chosen in proved or _verified(sched)
         bound = lower_bound(self.topo, collective, nbytes, root=root)
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
-        reason = _explain(chosen, algorithm, sim.seconds, baselines, bound, nbytes)
+        reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
         self._schedules.setdefault((collective, root, algorithm, size_class(nbytes)), sched)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
-                    bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped)
+                    bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 
     def _build(self, name, collective, nbytes, root):
         from .algorithms import ALGORITHMS
@@ -194,31 +206,41 @@ class Planner:
             pass  # a read-only home must not stop training; the memory cache still works
 
 
-_FORKED = None     # (topo, schedules, nbytes) that forked workers inherit instead of unpickling
+_FORKED = None     # (topo, schedules, nbytes, ceiling) that forked workers inherit instead of unpickling
 
 
-def _predict(topo, schedules, nbytes, workers):
-    """``({name: Simulation}, names verified)`` for the schedules in ``schedules`` (name -> Schedule).
+def _predict(topo, schedules, nbytes, workers, prune=False):
+    """``({name: Simulation}, {name: at least seconds}, names verified)`` for ``schedules`` (name ->
+    Schedule): the simulations run to their end, those stopped because they could not win (only
+    with ``prune``), and the schedules already proved.
 
     Simulated here, none is verified (the planner then proves only the schedule it picks). Simulated
     in ``workers`` forked processes, when that pays, the largest first so that the workers end
-    together. Whenever a result is the fastest so far, proving that schedule goes ahead of the
+    together; the fastest time so far sits in shared memory, where running simulations read it as
+    their ceiling. Whenever a result is the fastest so far, proving that schedule goes ahead of the
     simulations still waiting, so the winner is usually proved by the time the last simulation ends
     instead of after it. Proofs of schedules that were overtaken are dropped if not yet started."""
-    from .simulate import simulate
-
     global _FORKED
     if (workers <= 1 or len(schedules) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
             or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
-        return {name: simulate(topo, sched, nbytes) for name, sched in schedules.items()}, set()
-    _FORKED = (topo, schedules, nbytes)
+        sims, outpaced, best = {}, {}, math.inf
+        for name, sched in schedules.items():
+            result = _simulated(topo, sched, nbytes, (lambda: best) if prune else None)
+            if isinstance(result, Outpaced):
+                outpaced[name] = result.at_least
+            else:
+                sims[name] = result
+                best = min(best, result.seconds)
+        return sims, outpaced, set()
+    ceiling = multiprocessing.RawValue("d", math.inf) if prune else None
+    _FORKED = (topo, schedules, nbytes, ceiling)
     nworkers = min(workers, len(schedules))
     pool = ProcessPoolExecutor(nworkers, mp_context=multiprocessing.get_context("fork"))
     try:
         waiting = sorted(schedules, key=lambda n: -schedules[n].nops)   # simulations not yet started
         running = {}                   # future -> (job, name)
-        sims, proofs, best, to_prove = {}, {}, None, None
-        while len(sims) < len(schedules) or to_prove or best not in proofs:
+        sims, outpaced, proofs, best, to_prove = {}, {}, {}, None, None
+        while len(sims) + len(outpaced) < len(schedules) or to_prove or best not in proofs:
             while len(running) < nworkers and (to_prove or waiting):
                 if to_prove:
                     running[pool.submit(_verify_forked, to_prove)] = ("prove", to_prove)
@@ -232,21 +254,33 @@ def _predict(topo, schedules, nbytes, workers):
                 if job == "prove":
                     proofs[name] = future
                     continue
-                sims[name] = future.result()
-                if best is None or sims[name].seconds < sims[best].seconds:
+                result = future.result()
+                if isinstance(result, Outpaced):
+                    outpaced[name] = result.at_least
+                    continue
+                sims[name] = result
+                if best is None or result.seconds < sims[best].seconds:
                     best, to_prove = name, name
+                    if ceiling is not None:
+                        ceiling.value = result.seconds
         proofs[best].result()          # a failed proof raises ScheduleError here
-        return {name: sims[name] for name in schedules}, {best}
+        return sims, outpaced, {best}
     finally:
         _FORKED = None
         pool.shutdown(wait=False, cancel_futures=True)   # a proof of an overtaken leader is not waited for
 
 
-def _simulate_forked(name):
-    from .simulate import simulate
+def _simulated(topo, sched, nbytes, ceiling):
+    """The Simulation of ``sched``, or the :class:`Outpaced` that stopped it."""
+    try:
+        return simulate(topo, sched, nbytes, ceiling)
+    except Outpaced as exc:
+        return exc
 
-    topo, schedules, nbytes = _FORKED
-    return simulate(topo, schedules[name], nbytes)
+
+def _simulate_forked(name):
+    topo, schedules, nbytes, ceiling = _FORKED
+    return _simulated(topo, schedules[name], nbytes, None if ceiling is None else (lambda: ceiling.value))
 
 
 def _verify_forked(name):
@@ -266,17 +300,22 @@ def _verified(sched):
     return True
 
 
-def _explain(chosen, requested, seconds, baselines, bound, nbytes):
+def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
     from .units import format_seconds, format_size
 
+    others = {**outpaced, **baselines}    # simulated times, and lower bounds of those stopped early
     if requested != AUTO:
         head = f"{chosen} was requested"
-    elif not baselines:
+    elif not others:
         head = f"{chosen} is the only algorithm that applies"
     else:
-        runner, runner_s = min(baselines.items(), key=lambda kv: kv[1])
-        head = (f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}, "
-                f"{runner_s / seconds:.2f}x faster than the next best ({runner}, {format_seconds(runner_s)})")
+        runner, runner_s = min(others.items(), key=lambda kv: kv[1])
+        if runner in baselines:
+            head = (f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}, "
+                    f"{runner_s / seconds:.2f}x faster than the next best ({runner}, {format_seconds(runner_s)})")
+        else:
+            head = (f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}, "
+                    f"at least {runner_s / seconds:.2f}x faster than any other")
     regime = ("latency-bound (the message is small: fewest rounds wins)"
               if bound.latency_seconds >= bound.bandwidth_seconds else
               "bandwidth-bound (the message is large: using every link's capacity wins)")

@@ -68,7 +68,7 @@ import numpy as np
 from .errors import ScheduleError
 from .schedule import gc_paused
 
-__all__ = ["Simulation", "simulate", "max_min_rates"]
+__all__ = ["Simulation", "Outpaced", "simulate", "max_min_rates"]
 
 # Relative tolerance within which drains and events are merged, and link shares count as equal.
 RTOL = 1e-9
@@ -78,6 +78,10 @@ ATOL = 1e-18
 NUMPY_BUNDLES = 48
 # Relative slack of the optimality checks of the rate repair (see _repair).
 _CHECK = 1e-7
+# With a ceiling, links that carry at least this fraction of the busiest link's time are watched ...
+WATCHED_LOAD = 0.5
+# ... and the bound is checked every this many instants of the run.
+CEILING_EVERY = 16
 
 _SEND, _RECV, _REDUCE = 0, 1, 2
 _KIND = {"send": _SEND, "recv": _RECV, "reduce": _REDUCE}
@@ -106,12 +110,31 @@ class Simulation:
         return f"Simulation({self.seconds:.6g} s, {self.transfers} transfers, {len(self.link_bytes)} links)"
 
 
-def simulate(topo, schedule, nbytes):
+class Outpaced(Exception):
+    """A simulation stopped because its makespan provably exceeds the ceiling it was given.
+
+    ``at_least``: the lower bound on the makespan that proved it (seconds)."""
+
+    def __init__(self, at_least):
+        super().__init__(at_least)
+        self.at_least = at_least
+
+
+def simulate(topo, schedule, nbytes, ceiling=None):
     """Simulate ``schedule`` on ``topo`` for a buffer of ``nbytes`` bytes; see the module docstring.
 
     ``nbytes`` is the whole buffer as in :meth:`Schedule.chunk_ranges` (the big buffer of reduce-scatter
     and allgather). Raises :class:`ddl.ScheduleError` when the schedule does not fit the topology
     (rank count, routes over missing links) or deadlocks.
+
+    ``ceiling``: a function returning the time this schedule has to beat, or None. A planner that
+    already holds a faster candidate need not know by how much this one loses: every few instants the
+    simulation takes the simulated time plus, for each of the most loaded links, the bytes it has yet
+    to carry (of transfers not started, and what active ones have not yet sent) over its capacity.
+    That is a lower bound on the makespan (those bytes cross the link after now, never faster than
+    its capacity). Once it exceeds the
+    ceiling by more than one part in a million (so ties are never cut), the run stops with
+    :class:`Outpaced`. The function is called again at every check: it may fall while the run goes on.
     """
     try:
         nbytes = float(nbytes)
@@ -121,7 +144,7 @@ def simulate(topo, schedule, nbytes):
         raise ScheduleError(f"buffer size must be a non-negative number of bytes, got {nbytes!r}")
     if schedule.nranks != topo.nranks:
         raise ScheduleError(f"schedule for {schedule.nranks} ranks on a topology of {topo.nranks} ranks")
-    return _Run(topo, schedule, nbytes).run()
+    return _Run(topo, schedule, nbytes, ceiling).run()
 
 
 def max_min_rates(flow_links, capacity, weights=None, bottlenecks=False):
@@ -437,9 +460,23 @@ class _State:
 
 
 class _Run:
-    def __init__(self, topo, schedule, nbytes):
-        self.topo, self.schedule, self.nbytes = topo, schedule, nbytes
+    def __init__(self, topo, schedule, nbytes, ceiling=None):
+        self.topo, self.schedule, self.nbytes, self.ceiling = topo, schedule, nbytes, ceiling
         self.fabric = _Fabric(topo, schedule)
+
+    def _watched(self, pair_bytes, route_of):
+        """For the ceiling check: ``(watched links, the bytes each must carry, their capacities, the
+        watched links of every bundle as positions in that list)``. Watched are the links whose load
+        over capacity comes within :data:`WATCHED_LOAD` of the busiest's: any subset gives a valid
+        bound, and these are where it starts highest."""
+        fabric = self.fabric
+        caps = np.array(fabric.caps)
+        seconds = _link_totals(fabric, pair_bytes, route_of) / caps
+        watched = np.nonzero(seconds >= WATCHED_LOAD * seconds.max())[0] if len(seconds) else []
+        local = {int(l): i for i, l in enumerate(watched)}
+        bundle_watch = [tuple(local[l] for l in links if l in local) for links in fabric.bundle_links]
+        return ([int(l) for l in watched], (seconds[watched] * caps[watched]).tolist(), caps[watched].tolist(),
+                bundle_watch)
 
     def _flatten(self):
         """Every op of every rank as one index: kind, rank, bytes, partner, open dependencies, dependents."""
@@ -534,6 +571,11 @@ class _Run:
         emptied = set()                # bundles whose last flow drained at this instant
         carried_on = []                # ... and that took the next flow of their pair at once
         events = 0
+        ceiling = self.ceiling
+        bundle_watch = None
+        if ceiling is not None:        # bytes the most loaded links must still take (see simulate)
+            watched, unstarted, watched_cap, bundle_watch = self._watched(pair_bytes, route_of)
+            check_in = 1
 
         # a receive whose data and dependencies are there completes at once (DONE) unless it reduces
         # (LAND: queue on the rank's compute engine)
@@ -549,6 +591,14 @@ class _Run:
         heappush, heappop = heapq.heappush, heapq.heappop
 
         while True:
+            if bundle_watch is not None:
+                check_in -= 1
+                if not check_in:
+                    check_in = CEILING_EVERY
+                    at_least = now + max((_unsent(l, u, st, b_flows, now) / c
+                                          for l, u, c in zip(watched, unstarted, watched_cap)), default=0.0)
+                    if at_least > ceiling() * (1.0 + 1e-6):
+                        raise Outpaced(at_least)
             # ---- everything that happens at `now` ----
             while work:
                 x = pop_work()
@@ -597,6 +647,9 @@ class _Run:
                     bundles, shares, _lat = send_route[g]
                     paths_left[g] = len(bundles)
                     for b, share in zip(bundles, shares):
+                        if bundle_watch is not None:
+                            for i in bundle_watch[b]:
+                                unstarted[i] -= share * nbytes
                         m = b_m[b]
                         if m:
                             rate = b_rate[b]
@@ -779,11 +832,7 @@ class _Run:
 
     def _result(self, seconds, pair_bytes, route_of, ntransfers, events):
         fabric = self.fabric
-        total = np.zeros(len(fabric.keys))
-        for key, nbytes in pair_bytes.items():
-            bundles, shares, _ = route_of[key]
-            for b, share in zip(bundles, shares):
-                total[list(fabric.bundle_links[b])] += share * nbytes
+        total = _link_totals(fabric, pair_bytes, route_of)
         link_bytes, util = {}, {}
         for i, key in enumerate(fabric.keys):
             if total[i] > 0:
@@ -792,3 +841,25 @@ class _Run:
         busiest = sorted(((k, util[k], link_bytes[k]) for k in link_bytes),
                          key=lambda x: (-x[1], -x[2], str(x[0])))[:5]
         return Simulation(float(seconds), link_bytes, util, busiest, ntransfers, events)
+
+
+def _unsent(link, unstarted, st, bundle_flows, now):
+    """Bytes ``link`` has yet to carry at ``now``: those of transfers not started (``unstarted``) and
+    what its active flows have not yet served."""
+    left = unstarted
+    for b in st.link_bundles[link]:
+        served = st.v[b] + st.rate[b] * (now - st.t[b])
+        for key, _g in bundle_flows[b]:
+            if key > served:
+                left += key - served
+    return left
+
+
+def _link_totals(fabric, pair_bytes, route_of):
+    """Bytes every link of ``fabric`` carries in the whole run (numpy array by link index)."""
+    total = np.zeros(len(fabric.keys))
+    for key, nbytes in pair_bytes.items():
+        bundles, shares, _ = route_of[key]
+        for b, share in zip(bundles, shares):
+            total[list(fabric.bundle_links[b])] += share * nbytes
+    return total

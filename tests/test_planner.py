@@ -1,4 +1,5 @@
 """The planner's choice: which candidates it builds, and that simulating them in parallel changes nothing."""
+import json
 from pathlib import Path
 
 import pytest
@@ -35,18 +36,44 @@ def test_auto_skips_routing_where_every_rank_pair_has_one_path():
 def test_auto_routes_where_the_fabric_has_several_paths():
     plan = _planner("dgx-h100").plan("allreduce", 64 << 20)
     assert MCF not in plan.skipped
-    assert MCF in plan.baselines or plan.algorithm == MCF
+    assert MCF in plan.baselines or MCF in plan.outpaced or plan.algorithm == MCF
 
 
 def test_simulating_in_parallel_gives_the_serial_plan(monkeypatch):
-    serial = _planner("fat-tree-4x4-r8").plan("allreduce", 16 << 20)
+    serial = _planner("fat-tree-4x4-r8").plan("allreduce", 16 << 20, exhaustive=True)
     monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
-    parallel = _planner("fat-tree-4x4-r8", workers=2).plan("allreduce", 16 << 20)
+    parallel = _planner("fat-tree-4x4-r8", workers=2).plan("allreduce", 16 << 20, exhaustive=True)
     assert parallel.algorithm == serial.algorithm
     assert parallel.predicted_seconds == serial.predicted_seconds
-    assert parallel.baselines == serial.baselines
+    assert parallel.baselines == serial.baselines and not parallel.outpaced
     assert parallel.busiest == serial.busiest
     assert parallel.verified
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("name", ["fat-tree-4x4-r8", "emulated-2rack-interleaved", "dgx-a100"])
+def test_stopping_losers_early_changes_no_choice(name, workers, monkeypatch):
+    # a candidate is stopped only once a lower bound on its time exceeds the best time so far: the
+    # choice and its prediction are the exhaustive plan's, and every reported "at least" is a true
+    # lower bound of the full simulation, above the chosen time
+    monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
+    full = _planner(name).plan("allreduce", 256 << 20, exhaustive=True)
+    plan = _planner(name, workers=workers).plan("allreduce", 256 << 20)
+    assert (plan.algorithm, plan.predicted_seconds, plan.busiest) == (full.algorithm, full.predicted_seconds, full.busiest)
+    assert plan.verified
+    assert plan.outpaced, "nothing was stopped early"
+    assert set(plan.baselines) | set(plan.outpaced) == set(full.baselines)
+    assert not set(plan.baselines) & set(plan.outpaced)
+    for other, at_least in plan.outpaced.items():
+        assert plan.predicted_seconds < at_least <= full.baselines[other] * (1 + 1e-9), other
+    for other, secs in plan.baselines.items():
+        assert secs == full.baselines[other]
+
+
+def test_an_algorithm_asked_for_by_name_is_compared_with_every_other_in_full():
+    plan = _planner("fat-tree-4x4-r8").plan("allreduce", 256 << 20, "ring")
+    assert plan.algorithm == "ring" and not plan.outpaced
+    assert "hierarchical" in plan.baselines
 
 
 def test_workers_prove_the_fastest_schedule(monkeypatch):
@@ -54,8 +81,8 @@ def test_workers_prove_the_fastest_schedule(monkeypatch):
     planner = _planner("fat-tree-4x4-r8")
     schedules = {name: planner._build(name, "allreduce", 16 << 20, 0)
                  for name in ("ring", "halving-doubling", "hierarchical")}
-    sims, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
-    assert set(sims) == set(schedules)
+    sims, outpaced, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
+    assert set(sims) == set(schedules) and not outpaced
     assert proved == {min(sims, key=lambda n: sims[n].seconds)}
 
 
@@ -89,3 +116,18 @@ def test_plan_text_flags_a_prediction_below_the_latency_bound(capsys, tmp_path, 
     assert "below the latency bound" in out and "gap 0." in out
     assert main(["plan", str(ZOO / "dgx-a100.yaml"), "--bytes", "64MiB", "--workers", "1"]) == 0
     assert "below the latency bound" not in capsys.readouterr().out
+
+
+def test_plan_text_and_json_show_what_was_stopped_early(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    topo = str(ZOO / "fat-tree-4x4-r8.yaml")
+    assert main(["plan", topo, "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "vs ring" in out and "stopped once it could not win" in out
+    assert main(["plan", topo, "--workers", "1", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["outpaced"] and set(record["outpaced"]).isdisjoint(record["baselines"])
+    # the comparison table runs every candidate to its end
+    assert main(["plan", topo, "--workers", "1", "--json", "--compare"]) == 0
+    [record] = json.loads(capsys.readouterr().out)
+    assert record["outpaced"] == {} and "ring" in record["baselines"]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ddl.errors import ScheduleError
 from ddl.schedule import Schedule, ScheduleBuilder
-from ddl.simulate import Simulation, max_min_rates, simulate
+from ddl.simulate import Outpaced, Simulation, max_min_rates, simulate
 from ddl.topology import Topology
 from ddl.verify import verify
 
@@ -313,6 +313,46 @@ def test_back_to_back_messages_of_a_pair_carry_on_without_a_rate_update():
     b.transfer(0, 2, 1)
     b.transfer(1, 2, 2)
     assert simulate(star(3, B, lat), b.build(), N).events > 2
+
+
+@pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
+def test_a_ceiling_stops_a_schedule_that_cannot_beat_it_and_no_other():
+    # On the 8:1 fat tree a flat ring sends twice what hierarchical sends over each uplink; with
+    # hierarchical's time as the ceiling the ring stops, with a lower bound that is above the
+    # ceiling and below its full simulation.
+    topo = Topology.load("topologies/fat-tree-4x4-r8.yaml")
+    N = 64e6
+    fast = simulate(topo, ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=N), N)
+    ring = ALGORITHMS["ring"](topo, "allreduce", nbytes=N)
+    slow = simulate(topo, ring, N)
+    assert slow.seconds > 1.1 * fast.seconds
+    with pytest.raises(Outpaced) as stopped:
+        simulate(topo, ring, N, ceiling=lambda: fast.seconds)
+    assert fast.seconds < stopped.value.at_least <= slow.seconds * (1 + 1e-9)
+    # a ceiling the schedule meets exactly (a tie) or beats does not stop it, and changes nothing
+    for ceiling in (slow.seconds, 2 * slow.seconds, math.inf):
+        again = simulate(topo, ring, N, ceiling=lambda: ceiling)
+        assert again.seconds == slow.seconds and again.link_bytes == slow.link_bytes
+
+
+@pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
+def test_a_ceiling_that_falls_during_the_run_stops_it_later():
+    # the bound is checked again as the run goes: a ceiling that only falls after the start still
+    # stops the run, with a bound no smaller than the simulated time at that check
+    topo = Topology.load("topologies/fat-tree-4x4-r8.yaml")
+    N = 64e6
+    ring = ALGORITHMS["ring"](topo, "allreduce", nbytes=N)
+    full = simulate(topo, ring, N)
+    calls = []
+
+    def ceiling():
+        calls.append(1)
+        return math.inf if len(calls) < 20 else full.seconds / 2
+
+    with pytest.raises(Outpaced) as stopped:
+        simulate(topo, ring, N, ceiling=ceiling)
+    assert len(calls) == 20
+    assert full.seconds / 2 < stopped.value.at_least <= full.seconds * (1 + 1e-9)
 
 
 def test_max_min_rates_progressive_filling():

@@ -24,7 +24,8 @@ def register(sub):
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="processes that simulate the candidates of a cold plan (default: one per core)")
     p.add_argument("--compare", action="store_true",
-                   help="one table: auto against ring, halving-doubling and double-binary-tree per file")
+                   help="one table: auto against ring, halving-doubling and double-binary-tree per file "
+                        "(every candidate's simulation is run to its end)")
     p.set_defaults(func=run)
 
 
@@ -44,7 +45,8 @@ def run(args):
         if not 0 <= args.root < topo.nranks:
             raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
         planner = Planner(topo, workers=args.workers)
-        plans.append((path, topo, planner.plan(args.collective, nbytes, args.algorithm, args.root)))
+        plans.append((path, topo, planner.plan(args.collective, nbytes, args.algorithm, args.root,
+                                               exhaustive=args.compare)))
     if args.save:
         plans[0][2].schedule.save(args.save)
     records = [_record(topo, plan) for _, topo, plan in plans]
@@ -78,6 +80,7 @@ def _record(topo, plan):
         "algbw": plan.nbytes / plan.predicted_seconds if plan.predicted_seconds else None,
         "busbw": busbw(plan.collective, plan.nbytes, plan.predicted_seconds, p) if plan.predicted_seconds else None,
         "baselines": plan.baselines,
+        "outpaced": plan.outpaced,
         "not_planned": plan.skipped,
         "verified": plan.verified,
         "reason": plan.reason,
@@ -110,6 +113,9 @@ def _explain(topo, plan):
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio:.2f}x the chosen time)")
+    for name, secs in sorted(plan.outpaced.items(), key=lambda kv: kv[1]):
+        ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
+        lines.append(f"  vs {name:<22} >{format_seconds(secs):>9}   (>{ratio:.2f}x: stopped once it could not win)")
     for name, why in plan.skipped.items():
         lines.append(f"  not planned: {name} ({why})")
     if plan.busiest:
