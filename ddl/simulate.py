@@ -129,10 +129,9 @@ def simulate(topo, schedule, nbytes, ceiling=None):
 
     ``ceiling``: a function returning the time this schedule has to beat, or None. A planner that
     already holds a faster candidate need not know by how much this one loses: every few instants the
-    simulation takes the simulated time plus, for each of the most loaded links, the bytes it has yet
-    to carry (of transfers not started, and what active ones have not yet sent) over its capacity.
-    That is a lower bound on the makespan (those bytes cross the link after now, never faster than
-    its capacity). Once it exceeds the
+    simulation takes the simulated time plus, for each of the most loaded links, the bytes of the
+    transfers that have not yet started on it over its capacity. That is a lower bound on the
+    makespan (those bytes cross the link after now, never faster than its capacity). Once it exceeds the
     ceiling by more than one part in a million (so ties are never cut), the run stops with
     :class:`Outpaced`. The function is called again at every check: it may fall while the run goes on.
     """
@@ -465,8 +464,8 @@ class _Run:
         self.fabric = _Fabric(topo, schedule)
 
     def _watched(self, pair_bytes, route_of):
-        """For the ceiling check: ``(watched links, the bytes each must carry, their capacities, the
-        watched links of every bundle as positions in that list)``. Watched are the links whose load
+        """For the ceiling check: ``(the bytes each watched link must carry, their capacities, the
+        watched links of every bundle as positions in those lists)``. Watched are the links whose load
         over capacity comes within :data:`WATCHED_LOAD` of the busiest's: any subset gives a valid
         bound, and these are where it starts highest."""
         fabric = self.fabric
@@ -475,8 +474,7 @@ class _Run:
         watched = np.nonzero(seconds >= WATCHED_LOAD * seconds.max())[0] if len(seconds) else []
         local = {int(l): i for i, l in enumerate(watched)}
         bundle_watch = [tuple(local[l] for l in links if l in local) for links in fabric.bundle_links]
-        return ([int(l) for l in watched], (seconds[watched] * caps[watched]).tolist(), caps[watched].tolist(),
-                bundle_watch)
+        return (seconds[watched] * caps[watched]).tolist(), caps[watched].tolist(), bundle_watch
 
     def _flatten(self):
         """Every op of every rank as one index: kind, rank, bytes, partner, open dependencies, dependents."""
@@ -574,7 +572,7 @@ class _Run:
         ceiling = self.ceiling
         bundle_watch = None
         if ceiling is not None:        # bytes the most loaded links must still take (see simulate)
-            watched, unstarted, watched_cap, bundle_watch = self._watched(pair_bytes, route_of)
+            unstarted, watched_cap, bundle_watch = self._watched(pair_bytes, route_of)
             check_in = 1
 
         # a receive whose data and dependencies are there completes at once (DONE) unless it reduces
@@ -595,8 +593,7 @@ class _Run:
                 check_in -= 1
                 if not check_in:
                     check_in = CEILING_EVERY
-                    at_least = now + max((_unsent(l, u, st, b_flows, now) / c
-                                          for l, u, c in zip(watched, unstarted, watched_cap)), default=0.0)
+                    at_least = now + max((u / c for u, c in zip(unstarted, watched_cap)), default=0.0)
                     if at_least > ceiling() * (1.0 + 1e-6):
                         raise Outpaced(at_least)
             # ---- everything that happens at `now` ----
@@ -841,18 +838,6 @@ class _Run:
         busiest = sorted(((k, util[k], link_bytes[k]) for k in link_bytes),
                          key=lambda x: (-x[1], -x[2], str(x[0])))[:5]
         return Simulation(float(seconds), link_bytes, util, busiest, ntransfers, events)
-
-
-def _unsent(link, unstarted, st, bundle_flows, now):
-    """Bytes ``link`` has yet to carry at ``now``: those of transfers not started (``unstarted``) and
-    what its active flows have not yet served."""
-    left = unstarted
-    for b in st.link_bundles[link]:
-        served = st.v[b] + st.rate[b] * (now - st.t[b])
-        for key, _g in bundle_flows[b]:
-            if key > served:
-                left += key - served
-    return left
 
 
 def _link_totals(fabric, pair_bytes, route_of):
