@@ -32,7 +32,8 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
   which is the executor's write-after-read rule). A ``recv`` completes at ``max(arrival, its own
   dependencies complete)``. A ``reduce`` then also needs ``bytes / topo.reduce_bandwidth(rank)`` on the
   rank's single compute engine: reductions of one rank run one at a time, first come first served in the
-  order they became ready, starting at ``max(arrival, dependencies complete, engine free)``.
+  order they became ready (those ready at the same instant in program order), starting at
+  ``max(arrival, dependencies complete, engine free)``.
 * **Empty chunks.** Executors skip zero-byte chunks on both sides (no message is sent), so a zero-byte
   transfer or reduction takes no time at all; it still orders the operations that depend on it.
 * The makespan (``seconds``) is the completion time of the last operation; an empty schedule (one rank,
@@ -545,7 +546,8 @@ class _Run:
         heap = []                      # timed events
         arrivals = []                  # batches of transfers whose data arrives at the same time
         engine_busy = [False] * nranks
-        engine_queue = [deque() for _ in range(nranks)]
+        engine_queue = [[] for _ in range(nranks)]   # heaps of (time it became ready, op)
+        engine_idle = set()            # ranks whose engine is free while reductions may be waiting
         # Messages between one pair of ranks go one at a time (MPI's non-overtaking order over one
         # connection): ready sends wait in a heap per pair, earliest in the program first.
         pair_busy = [False] * len(pair_index)
@@ -629,11 +631,18 @@ class _Run:
                     continue
                 # LAND: a reduction with its data and dependencies queues on its rank's engine
                 r = rank[g]
-                if engine_busy[r]:
-                    engine_queue[r].append(g)
-                else:
+                heappush(engine_queue[r], (now, g))
+                if not engine_busy[r]:
+                    engine_idle.add(r)
+
+            # ---- free engines start the reduction that has waited longest (ties: program order) ----
+            for r in engine_idle:
+                q = engine_queue[r]
+                if q and not engine_busy[r]:
+                    _t, g = heappop(q)
                     engine_busy[r] = True
                     heappush(heap, (now + size[g] / reduce_bw[r], 2 * g + ENGINE))
+            engine_idle.clear()
 
             # ---- pairs that are free start their earliest waiting send ----
             for pair in pair_dirty:
@@ -806,15 +815,11 @@ class _Run:
                         if deps_ready[h]:
                             push_work(4 * h + landing_action[h])
                     continue
-                g = x >> 1             # reduction g finished: start the next one queued on its rank
+                g = x >> 1             # reduction g finished: its rank's engine takes the next one
                 push_work(4 * g + DONE)
                 r = rank[g]
-                q = engine_queue[r]
-                if q:
-                    h = q.popleft()
-                    heappush(heap, (now + size[h] / reduce_bw[r], 2 * h + ENGINE))
-                else:
-                    engine_busy[r] = False
+                engine_busy[r] = False
+                engine_idle.add(r)
 
         if completed < n:
             starts = [0] * nranks
