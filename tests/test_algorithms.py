@@ -9,6 +9,7 @@ from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule,
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import MAX_WAVE_OPS, WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
+from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.tree_packing import direct_links
 from ddl.errors import PlanError
 from ddl.planner import flat_topology
@@ -18,6 +19,7 @@ from ddl.verify import verify
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SUPPORTS = {
     "ring": COLLECTIVES,
+    "ring-channels": COLLECTIVES,
     "halving-doubling": ("allreduce", "reduce_scatter", "allgather"),
     "recursive-doubling": ("allreduce",),
     "double-binary-tree": ("allreduce", "broadcast"),
@@ -40,6 +42,10 @@ def flat(name, p, collective, k=1, root=0, order=None):
     order = order if order is not None else [(7 * i + 3) % p for i in range(p)] if p % 7 else list(range(p))
     if name == "ring":
         return ring_schedule(order, collective, k, root)
+    if name == "ring-channels":
+        # the order both ways round and rotated, with unequal shares
+        turned = order[p // 2:] + order[:p // 2]
+        return channels_schedule([order, order[::-1], turned], [3, 2, 1], collective, k, root)
     if name == "halving-doubling":
         return halving_doubling_schedule(order, collective, k)
     if name == "recursive-doubling":
@@ -138,6 +144,10 @@ def test_topology_schedules_verify(name):
             with pytest.raises(PlanError, match="not all joined by links from rank to rank"):
                 ALGORITHMS[name](topo, "allreduce")
             continue
+        if name == "ring-channels" and topo.name != "dgx1":     # one way out of every host, or 1 rank
+            with pytest.raises(PlanError, match="repeat 'ring'|one ring"):
+                ALGORITHMS[name](topo, "allreduce")
+            continue
         for collective in SUPPORTS[name]:
             plain = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=4096)
             piped = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=64 << 20)
@@ -150,12 +160,17 @@ def test_topology_schedules_verify(name):
 def _must_pipeline(plain, piped):
     """Whether the 64 MiB schedule must have more chunks than the 4 KiB one. Not when multi-commodity
     flow chose different base schedules for the two sizes, nor for tree packing's depth-1 copy trees:
-    every piece then moves in one hop, and cutting it finer gains nothing."""
+    every piece then moves in one hop, and cutting it finer gains nothing; nor for channels whose
+    shares of a ring block are already below two 1 MiB chunks."""
     algorithm, info = piped.algorithm, piped.info
     if algorithm == "multicommodity-flow":
         if plain.info["base_algorithm"] != info["base_algorithm"]:
             return False
         algorithm, info = info["base_algorithm"], info["base_info"]
+    if algorithm == "ring-channels":        # the smallest channel's ring block must hold two 1 MiB chunks
+        weights = info["channel_weights"]
+        blocks = 1 if piped.collective == "broadcast" else piped.nranks
+        return (64 << 20) * min(weights) / sum(weights) / blocks >= 2 << 20
     return not (algorithm in ("tree-packing", "direct-link-trees") and info.get("depth") == 1
                 and piped.collective in ("allgather", "broadcast"))
 
@@ -171,7 +186,7 @@ def test_unsupported_collective_is_a_plan_error(name):
 
 def test_deterministic():
     for name, fn in ALGORITHMS.items():
-        make = dgx1 if name == "direct-link-trees" else three_tier     # it needs rank-to-rank links
+        make = dgx1 if name in ("direct-link-trees", "ring-channels") else three_tier   # they need NVLink
         topo = make()
         for collective in SUPPORTS[name]:
             a, b = fn(topo, collective, nbytes=1 << 26), fn(make(), collective, nbytes=1 << 26)
@@ -409,6 +424,10 @@ def test_192_ranks_build_and_verify_in_seconds():
             continue
         if name == "tree-packing":  # its LP has one block of rows per root: hierarchical's job here
             with pytest.raises(PlanError, match="limited to 64 ranks"):
+                fn(topo, "allreduce")
+            continue
+        if name == "ring-channels":  # one NIC per host: one ring is all there is
+            with pytest.raises(PlanError, match="repeat 'ring'"):
                 fn(topo, "allreduce")
             continue
         if name == "reduce-broadcast-trees":  # its LP prices p^2 rank pairs

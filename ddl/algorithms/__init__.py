@@ -7,6 +7,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 ``hierarchical_schedule``) for tests and tools.
 
 * ``ring`` -- topology-aware ring (NCCL-style order), all four collectives;
+* ``ring-channels`` -- NCCL's channels: several rings at once (other directions, other ways out of
+  each host), rates from an LP; all four collectives;
 * ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
 * ``recursive-doubling`` -- whole-vector swaps, ``log2 p`` rounds for latency-bound sizes; allreduce;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
@@ -31,11 +33,13 @@ from .multicommodity_flow import multicommodity_flow, repeats_a_base
 from .recursive_doubling import recursive_doubling, recursive_doubling_schedule
 from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
+from .ring_channels import ring_channels
 from .tiered_exchange import repeats_doubling, tiered_exchange, tiered_exchange_schedule
 from .tree_packing import direct_link_trees, tree_packing
 
 ALGORITHMS = {
     "ring": ring,
+    "ring-channels": ring_channels,
     "halving-doubling": halving_doubling,
     "recursive-doubling": recursive_doubling,
     "double-binary-tree": double_binary_tree,
@@ -54,7 +58,7 @@ REDUNDANT = {
     "tiered-exchange": repeats_doubling,
 }
 
-__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "halving_doubling", "double_binary_tree", "hierarchical",
+__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "ring_channels", "halving_doubling", "double_binary_tree", "hierarchical",
            "multicommodity_flow", "tree_packing", "direct_link_trees", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
            "hierarchical_schedule", "tiered_exchange", "tiered_exchange_schedule"]

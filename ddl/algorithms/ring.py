@@ -59,12 +59,7 @@ def ring_reduce_scatter(builder, ranks, blocks):
     and forwards it at step ``t + 1``, so block ``j`` starts at ``j + 1`` and ends, after ``g - 1``
     steps, on ``j``: each block is reduced along one chain, in one order.
     """
-    g = len(ranks)
-    for t in range(g - 1):
-        for i in range(g):
-            src, dst = ranks[i], ranks[(i + 1) % g]
-            for c in blocks[(i - t - 1) % g]:
-                builder.transfer(src, dst, c, reduce=True)
+    rings_reduce_scatter(builder, [ranks], [blocks])
 
 
 def ring_allgather(builder, ranks, blocks):
@@ -72,12 +67,28 @@ def ring_allgather(builder, ranks, blocks):
 
     With a single non-empty block this is the pipelined chain broadcast from its owner.
     """
-    g = len(ranks)
+    rings_allgather(builder, [ranks], [blocks])
+
+
+def rings_reduce_scatter(builder, rings, blocks):
+    """:func:`ring_reduce_scatter` on several rings of the same length at once (``blocks[c]`` for
+    ``rings[c]``), their steps interleaved in the programs so that they advance side by side."""
+    _ring_steps(builder, rings, blocks, 1, True)
+
+
+def rings_allgather(builder, rings, blocks):
+    """:func:`ring_allgather` on several rings at once (see :func:`rings_reduce_scatter`)."""
+    _ring_steps(builder, rings, blocks, 0, False)
+
+
+def _ring_steps(builder, rings, blocks, lag, reduce):
+    g = len(rings[0])
     for t in range(g - 1):
-        for i in range(g):
-            src, dst = ranks[i], ranks[(i + 1) % g]
-            for c in blocks[(i - t) % g]:
-                builder.transfer(src, dst, c)
+        for ranks, owned in zip(rings, blocks):
+            for i in range(g):
+                src, dst = ranks[i], ranks[(i + 1) % g]
+                for c in owned[(i - t - lag) % g]:
+                    builder.transfer(src, dst, c, reduce=reduce)
 
 
 # ---- the topology-aware order -----------------------------------------------------------------------

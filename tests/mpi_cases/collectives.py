@@ -264,6 +264,25 @@ def check_hierarchical_ramped_waves():
     c.Free()
 
 
+def check_ring_channels():
+    """ring-channels on one box whose ranks are joined in a cycle of direct links (and a slow switch):
+    the ring both ways round at least, every collective right and bitwise the same everywhere."""
+    if p < 3:
+        return
+    from ddl.topology import Topology
+    topo = Topology.from_dict({
+        "name": "cycle-box", "nodes": [{"id": "pcie", "kind": "pcie"}, {"id": "cpu{g}", "kind": "cpu", "for": {"g": p}}],
+        "links": [{"a": f"cpu{g}", "b": f"cpu{(g + 1) % p}", "bandwidth": "25 GB/s"} for g in range(p)]
+                 + [{"a": f"cpu{g}", "b": "pcie", "bandwidth": "2 GB/s"} for g in range(p)],
+        "ranks": [{"id": "cpu{g}", "for": {"g": p}}]})
+    c = ddl.Communicator(WORLD, topology=topo, algorithm="ring-channels")
+    chk.ok(len(c.plan(4 << 20).info["channels"]) >= 2, "ring-channels: one channel")
+    for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
+        for count in (7 * p, 300_000):
+            run(c, count, f"ring-channels {coll} {count}")
+    c.Free()
+
+
 def check_tiered_exchange_lanes():
     """tiered-exchange on three hosts of two ranks (six of the ranks): radix 3, where the two ranks of
     a host each chain half of the hosts' sums from several messages at once, then merge."""
@@ -423,6 +442,7 @@ check_reproducible()
 if mode == "full" or p in (5, 8):
     check_algorithms()
     check_hierarchical_ramped_waves()
+    check_ring_channels()
     check_tiered_exchange_lanes()
 waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")
 comm.Free()

@@ -1,0 +1,217 @@
+"""Several rings at once, each with its share of the buffer: NCCL's channels.
+
+One ring uses one direction of one path out of every group of ranks. Where a group has more ways out
+(a DGX A100 host has eight NICs; every NVLink is full duplex), NCCL runs several rings side by side,
+its *channels*, and splits the data among them (Jeaugey, "NCCL 2.0", GTC 2017; ``graph/search.cc``
+searches channels until a target bandwidth is met). This is that baseline, so ddl is compared with
+rings as NCCL would run them, not with one ring.
+
+Candidates are the topology-aware ring (:func:`ddl.algorithms.ring.ring_order`), its reverse (the other
+direction of every link), on one box of at most 16 ranks other widest Hamiltonian cycles that avoid
+the rank pairs taken before (as NCCL finds several NVLink rings on a DGX-1), and both directions of
+rotations of every tier's groups: rotating a host's segment of the ring moves where the ring leaves
+and enters the host, so each rotation leaves through another NIC. A linear programme (scipy's
+HiGHS) gives the channels their rates: maximise their sum while the traffic of every channel's hops
+(split evenly over each hop's routes) fits every link. Channels are added in that order and kept
+only when they raise the LP's optimum by more than :data:`MIN_GAIN`, so a channel that only shares
+another's links never joins; every ring block of a channel is then cut in proportion to its rate
+(small integer weights).
+
+Collectives: all four. It declines where one ring is all the LP finds (it would repeat ``ring``) and
+where two channels would exceed :data:`MAX_OPS` operations.
+"""
+from fractions import Fraction
+from math import lcm
+
+import numpy as np
+from scipy.optimize import linprog
+
+from ..errors import PlanError
+from ..schedule import ScheduleBuilder
+from .ring import (MAX_CHUNKS, MAX_PIPELINE, SEARCH_LIMIT, check_request, pipeline_depth, rank_partitions,
+                   ring_order, rings_allgather, rings_reduce_scatter, widest_ring)
+
+NAME = "ring-channels"
+MIN_GAIN = 0.01          # a channel must add more than 1% to the rings' total rate
+MAX_CHANNELS = 16
+MAX_CANDIDATES = 64      # orders tried (rotations of large groups are sampled evenly)
+MAX_OPS = 1 << 19        # what verifying and simulating a schedule costs (as hierarchical's waves)
+EXTRA_CYCLES = 4         # more Hamiltonian cycles searched where the whole ring is one searched group
+WEIGHT_STEPS = 8         # channel shares are rounded to fractions with denominators up to this
+
+
+def ring_channels(topo, collective, *, root=0, nbytes=None):
+    """NCCL-style channels on ``topo`` (see the module docstring)."""
+    p = topo.nranks
+    check_request(NAME, collective, p, root)
+    if p < 3:
+        raise PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
+    per_ring = 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
+    if 2 * per_ring > MAX_OPS:
+        raise PlanError(f"{NAME}: two channels on {p} ranks take {2 * per_ring} operations "
+                        f"(limit {MAX_OPS}); 'ring' and 'hierarchical' plan this size")
+    orders, rates = choose_channels(topo, candidate_orders(topo), min(MAX_CHANNELS, MAX_OPS // per_ring))
+    if len(orders) < 2:
+        raise PlanError(f"{NAME}: one ring already uses every way out of each group that more rings "
+                        f"could (it would repeat 'ring')")
+    weights = integer_weights(rates)
+    share = min(weights) / sum(weights)
+    most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(orders) * per_ring)))   # chunks per ring block
+    k = pipeline_depth(nbytes * share if nbytes else nbytes, 1 if collective == "broadcast" else p,
+                       max_k=most, max_chunks=MAX_CHUNKS)
+    return channels_schedule(orders, weights, collective, k, root,
+                             channel_rates=[float(r) for r in rates])
+
+
+def candidate_orders(topo):
+    """The ring order and its reverse, other cycles of a one-box ring (:func:`other_cycles`), then
+    both directions of each tier's groups rotated; deduplicated by their sets of hops, at most
+    :data:`MAX_CANDIDATES`."""
+    base = ring_order(topo)
+    p = len(base)
+    found, seen = [], set()
+
+    def add(order):
+        hops = frozenset((order[i], order[(i + 1) % p]) for i in range(p))
+        if hops not in seen and len(found) < MAX_CANDIDATES:
+            seen.add(hops)
+            found.append(order)
+
+    add(base)
+    add(base[::-1])
+    partitions = rank_partitions(topo)
+    if len(partitions[0]) == 1 and p <= SEARCH_LIMIT:   # one box, searched whole: other cycles, both ways
+        for order in other_cycles(topo, base):
+            add(order)
+            add(order[::-1])
+    for part in partitions:
+        size = max(len(g) for g in part)
+        if len(part) < 2 or size < 2:
+            continue               # one group (the whole ring) or single ranks: nothing moves
+        for shift in np.unique(np.linspace(1, size - 1, num=min(size - 1, MAX_CANDIDATES // 2)).astype(int)):
+            rotated = rotate_groups(base, part, int(shift))
+            add(rotated)
+            add(rotated[::-1])
+    return found
+
+
+def other_cycles(topo, first, count=EXTRA_CYCLES):
+    """Up to ``count`` more widest Hamiltonian cycles, each searched with every rank pair's bandwidth
+    divided by one plus the number of earlier cycles that use the pair (either way round), and a hair
+    less, so that they take links the earlier ones left free where the fabric has them (on a DGX-1
+    the single NVLinks, once a first ring has all the double ones)."""
+    p = len(first)
+    used = {}
+
+    def note(order):
+        for i in range(p):
+            pair = frozenset((order[i], order[(i + 1) % p]))
+            used[pair] = used.get(pair, 0) + 1
+
+    note(first)
+    found = []
+    for _ in range(count):
+        def residual(a, b):
+            uses = used.get(frozenset((a, b)), 0)
+            return topo.route_bandwidth(a, b) / (1 + uses) * (1 - 1e-3 * (uses > 0))
+
+        order, _bottleneck = widest_ring(list(range(p)), residual)
+        found.append(order)
+        note(order)
+    return found
+
+
+def rotate_groups(order, groups, shift):
+    """``order`` with each group's (contiguous) segment rotated left by ``shift``."""
+    out = list(order)
+    position = {r: i for i, r in enumerate(order)}
+    for group in groups:
+        slots = sorted(position[r] for r in group)
+        segment = [order[i] for i in slots]
+        s = shift % len(segment)
+        for i, r in zip(slots, segment[s:] + segment[:s]):
+            out[i] = r
+    return out
+
+
+def channel_load(topo, order, index):
+    """``{link index: hops' traffic per unit of the channel's rate}``: every hop of the ring carries
+    the channel's rate, split evenly over that hop's routes."""
+    load = {}
+    p = len(order)
+    for i in range(p):
+        paths = topo.routes(order[i], order[(i + 1) % p])
+        for path in paths:
+            for u, v in zip(path[:-1], path[1:]):
+                key = index.setdefault((u, v), len(index))
+                load[key] = load.get(key, 0.0) + 1.0 / len(paths)
+    return load
+
+
+def choose_channels(topo, candidates, max_channels=MAX_CHANNELS):
+    """``(orders, rates)``: the candidates kept, in order, with their LP rates (bytes/s per hop)."""
+    index = {}
+    loads = [channel_load(topo, order, index) for order in candidates]
+    capacity = np.zeros(len(index))
+    for (u, v), i in index.items():
+        capacity[i] = topo.capacity(u, v)
+    kept, best, rates = [], 0.0, []
+    for j in range(len(candidates)):
+        if len(kept) == max_channels:
+            break
+        trial = kept + [j]
+        value, x = _max_total_rate([loads[t] for t in trial], capacity)
+        if value > best * (1 + MIN_GAIN):
+            kept, best, rates = trial, value, x
+    chosen = [(candidates[j], r) for j, r in zip(kept, rates) if r > MIN_GAIN * best]
+    return [o for o, _ in chosen], [r for _, r in chosen]
+
+
+def _max_total_rate(loads, capacity):
+    """Max sum of channel rates ``x`` with ``sum_j x_j load_j[l] <= capacity[l]`` for every link."""
+    a = np.zeros((len(capacity), len(loads)))
+    for j, load in enumerate(loads):
+        for link, amount in load.items():
+            a[link, j] = amount
+    used = a.any(axis=1)
+    res = linprog(-np.ones(len(loads)), A_ub=a[used], b_ub=capacity[used], bounds=(0, None), method="highs")
+    if res.status != 0:
+        raise PlanError(f"{NAME}: the channel LP failed ({res.message})")
+    return -res.fun, res.x
+
+
+def integer_weights(rates):
+    """Small positive integers in (about) the proportion of ``rates``."""
+    top = max(rates)
+    fractions = [max(Fraction(r / top).limit_denominator(WEIGHT_STEPS), Fraction(1, WEIGHT_STEPS)) for r in rates]
+    scale = lcm(*(f.denominator for f in fractions))
+    return [int(f * scale) for f in fractions]
+
+
+def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, **info):
+    """Rings over ``orders`` side by side, channel ``j`` carrying ``weights[j] / sum(weights)`` of every
+    block in ``k`` chunks per ring block; ring steps of the channels interleave in the programs."""
+    orders = [[int(r) for r in order] for order in orders]
+    p = len(orders[0])
+    check_request(algorithm, collective, p, root)
+    c = len(orders)
+    if collective == "allreduce":
+        # one block cut into p * k pieces per channel; position i of channel j ends owning piece i
+        pattern = tuple(w for w in weights for _ in range(p * k))
+        ring_blocks = [[[j * p * k + i * k + s for s in range(k)] for i in range(p)] for j in range(c)]
+    elif collective in ("reduce_scatter", "allgather"):
+        # every rank's block cut into k pieces per channel; position i holds rank order[i]'s block
+        pattern = tuple(w for w in weights for _ in range(k))
+        width = len(pattern)
+        ring_blocks = [[[order[i] * width + j * k + s for s in range(k)] for i in range(p)]
+                       for j, order in enumerate(orders)]
+    else:
+        pattern = tuple(w for w in weights for _ in range(k))
+        ring_blocks = [[[j * k + s for s in range(k)]] + [[]] * (p - 1) for j in range(c)]
+        orders = [order[order.index(root):] + order[:order.index(root)] for order in orders]
+    b = ScheduleBuilder(collective, p, pattern, root=root, algorithm=algorithm)
+    if collective in ("allreduce", "reduce_scatter"):
+        rings_reduce_scatter(b, orders, ring_blocks)
+    if collective != "reduce_scatter":
+        rings_allgather(b, orders, ring_blocks)
+    return b.build(channels=orders, channel_weights=list(weights), chunks_per_block=k, **info)
