@@ -43,9 +43,9 @@ def flat(name, p, collective, k=1, root=0, order=None):
     if name == "ring":
         return ring_schedule(order, collective, k, root)
     if name == "ring-channels":
-        # the order both ways round and rotated, with unequal shares
+        # the order both ways round and rotated, with unequal shares and chunk counts
         turned = order[p // 2:] + order[:p // 2]
-        return channels_schedule([order, order[::-1], turned], [3, 2, 1], collective, k, root)
+        return channels_schedule([order, order[::-1], turned], [3, 2, 1], collective, [k, 1, k + 1], root)
     if name == "halving-doubling":
         return halving_doubling_schedule(order, collective, k)
     if name == "recursive-doubling":
@@ -161,16 +161,16 @@ def _must_pipeline(plain, piped):
     """Whether the 64 MiB schedule must have more chunks than the 4 KiB one. Not when multi-commodity
     flow chose different base schedules for the two sizes, nor for tree packing's depth-1 copy trees:
     every piece then moves in one hop, and cutting it finer gains nothing; nor for channels whose
-    shares of a ring block are already below two 1 MiB chunks."""
+    shares of a ring block are all below two 1 MiB chunks."""
     algorithm, info = piped.algorithm, piped.info
     if algorithm == "multicommodity-flow":
         if plain.info["base_algorithm"] != info["base_algorithm"]:
             return False
         algorithm, info = info["base_algorithm"], info["base_info"]
-    if algorithm == "ring-channels":        # the smallest channel's ring block must hold two 1 MiB chunks
+    if algorithm == "ring-channels":        # the largest channel's ring block must hold two 1 MiB chunks
         weights = info["channel_weights"]
         blocks = 1 if piped.collective == "broadcast" else piped.nranks
-        return (64 << 20) * min(weights) / sum(weights) / blocks >= 2 << 20
+        return (64 << 20) * max(weights) / sum(weights) / blocks >= 2 << 20
     return not (algorithm in ("tree-packing", "direct-link-trees") and info.get("depth") == 1
                 and piped.collective in ("allgather", "broadcast"))
 

@@ -5,8 +5,8 @@ import pytest
 
 from ddl.algorithms import ALGORITHMS
 from ddl.algorithms.ring import ring_order
-from ddl.algorithms.ring_channels import (MAX_OPS, candidate_orders, choose_channels, integer_weights,
-                                          rotate_groups)
+from ddl.algorithms.ring_channels import (MAX_OPS, THIN, candidate_orders, channels_schedule, choose_channels,
+                                          integer_weights, other_cycles, rotate_groups)
 from ddl.bounds import busbw
 from ddl.errors import PlanError
 from ddl.simulate import simulate
@@ -57,6 +57,26 @@ def test_a100_hosts_leave_through_every_nic():
     assert len(exits) == 16                                # every GPU's NIC sends to the other host
     ring = ALGORITHMS["ring"](topo, "allreduce", nbytes=N)
     assert predicted_busbw(topo, sched) > 7.5 * predicted_busbw(topo, ring)
+
+
+def test_dgx1_pcie_ring_is_found_but_too_thin_to_keep():
+    # after the double and the single NVLink cycles, the next cycle avoids every NVLink pair: it goes
+    # over PCIe and the CPUs, where the LP gives it 6 GB/s; below a quarter of 50 it is dropped, and
+    # with it the plan would be slower
+    topo = zoo("dgx1-v100")
+    nvlink = {frozenset((a, b)) for a in range(8) for b in range(8) if a != b and topo.route_bandwidth(a, b) >= 25e9}
+    first = ring_order(topo)
+    second, third, *_ = other_cycles(topo, first)
+    assert all(frozenset((second[i], second[(i + 1) % 8])) in nvlink for i in range(8))
+    assert not any(frozenset((third[i], third[(i + 1) % 8])) in nvlink for i in range(8))
+    candidates = candidate_orders(topo)
+    assert third in candidates
+    orders, rates = choose_channels(topo, candidates)
+    assert third not in orders and len(orders) == 4
+    with_pcie = channels_schedule(orders + [third], [8, 8, 4, 4, 1], "allreduce", [8, 8, 5, 5, 1])
+    kept = ALGORITHMS["ring-channels"](topo, "allreduce", nbytes=N)
+    assert simulate(topo, kept, N).seconds < simulate(topo, with_pcie, N).seconds
+    assert 6e9 < THIN * 50e9
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)

@@ -14,8 +14,10 @@ and enters the host, so each rotation leaves through another NIC. A linear progr
 HiGHS) gives the channels their rates: maximise their sum while the traffic of every channel's hops
 (split evenly over each hop's routes) fits every link. Channels are added in that order and kept
 only when they raise the LP's optimum by more than :data:`MIN_GAIN`, so a channel that only shares
-another's links never joins; every ring block of a channel is then cut in proportion to its rate
-(small integer weights).
+another's links never joins. A channel slower than :data:`THIN` of the fastest is dropped too (the
+DGX-1's PCIe ring, 6 against 50 GB/s): it pays every step's latency for a small share, and finishes
+last (NCCL's channels are alike as well). Every ring block of a channel is then cut in proportion to
+its rate (small integer weights), and into as many chunks as its share allows.
 
 Collectives: all four. It declines where one ring is all the LP finds (it would repeat ``ring``) and
 where two channels would exceed :data:`MAX_OPS` operations.
@@ -32,11 +34,13 @@ from .ring import (MAX_CHUNKS, MAX_PIPELINE, SEARCH_LIMIT, check_request, pipeli
                    ring_order, rings_allgather, rings_reduce_scatter, widest_ring)
 
 NAME = "ring-channels"
-MIN_GAIN = 0.01          # a channel must add more than 1% to the rings' total rate
+MIN_GAIN = 0.01          # a channel must add more than 1% to the rings' total rate ...
+THIN = 0.25              # ... and run at least this fraction of the fastest channel's rate
 MAX_CHANNELS = 16
 MAX_CANDIDATES = 64      # orders tried (rotations of large groups are sampled evenly)
 MAX_OPS = 1 << 19        # what verifying and simulating a schedule costs (as hierarchical's waves)
 EXTRA_CYCLES = 4         # more Hamiltonian cycles searched where the whole ring is one searched group
+USED_PAIR = 1e-3         # a rank pair an earlier cycle took counts this much of its bandwidth
 WEIGHT_STEPS = 8         # channel shares are rounded to fractions with denominators up to this
 
 
@@ -55,12 +59,10 @@ def ring_channels(topo, collective, *, root=0, nbytes=None):
         raise PlanError(f"{NAME}: one ring already uses every way out of each group that more rings "
                         f"could (it would repeat 'ring')")
     weights = integer_weights(rates)
-    share = min(weights) / sum(weights)
     most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(orders) * per_ring)))   # chunks per ring block
-    k = pipeline_depth(nbytes * share if nbytes else nbytes, 1 if collective == "broadcast" else p,
-                       max_k=most, max_chunks=MAX_CHUNKS)
-    return channels_schedule(orders, weights, collective, k, root,
-                             channel_rates=[float(r) for r in rates])
+    ks = [pipeline_depth(nbytes * w / sum(weights) if nbytes else nbytes, 1 if collective == "broadcast" else p,
+                         max_k=most, max_chunks=MAX_CHUNKS) for w in weights]
+    return channels_schedule(orders, weights, collective, ks, root, channel_rates=[float(r) for r in rates])
 
 
 def candidate_orders(topo):
@@ -96,10 +98,10 @@ def candidate_orders(topo):
 
 
 def other_cycles(topo, first, count=EXTRA_CYCLES):
-    """Up to ``count`` more widest Hamiltonian cycles, each searched with every rank pair's bandwidth
-    divided by one plus the number of earlier cycles that use the pair (either way round), and a hair
-    less, so that they take links the earlier ones left free where the fabric has them (on a DGX-1
-    the single NVLinks, once a first ring has all the double ones)."""
+    """Up to ``count`` more widest Hamiltonian cycles, each over the rank pairs no earlier cycle uses
+    (either way round) where such a cycle exists: every pair an earlier cycle took counts a thousand
+    times narrower. On a DGX-1 the second cycle takes the single NVLinks once the first has all the
+    double ones, and the third goes over PCIe."""
     p = len(first)
     used = {}
 
@@ -112,8 +114,7 @@ def other_cycles(topo, first, count=EXTRA_CYCLES):
     found = []
     for _ in range(count):
         def residual(a, b):
-            uses = used.get(frozenset((a, b)), 0)
-            return topo.route_bandwidth(a, b) / (1 + uses) * (1 - 1e-3 * (uses > 0))
+            return topo.route_bandwidth(a, b) * USED_PAIR ** used.get(frozenset((a, b)), 0)
 
         order, _bottleneck = widest_ring(list(range(p)), residual)
         found.append(order)
@@ -163,8 +164,11 @@ def choose_channels(topo, candidates, max_channels=MAX_CHANNELS):
         value, x = _max_total_rate([loads[t] for t in trial], capacity)
         if value > best * (1 + MIN_GAIN):
             kept, best, rates = trial, value, x
-    chosen = [(candidates[j], r) for j, r in zip(kept, rates) if r > MIN_GAIN * best]
-    return [o for o, _ in chosen], [r for _, r in chosen]
+    strong = [j for j, r in zip(kept, rates) if r >= THIN * max(rates)]
+    if len(strong) < len(kept):        # thin channels out: the others' rates are solved again
+        _value, rates = _max_total_rate([loads[t] for t in strong], capacity)
+        kept = strong
+    return [candidates[j] for j in kept], list(rates)
 
 
 def _max_total_rate(loads, capacity):
@@ -190,28 +194,30 @@ def integer_weights(rates):
 
 def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, **info):
     """Rings over ``orders`` side by side, channel ``j`` carrying ``weights[j] / sum(weights)`` of every
-    block in ``k`` chunks per ring block; ring steps of the channels interleave in the programs."""
+    block in ``k[j]`` chunks per ring block (``k`` may be one int for all); ring steps of the channels
+    interleave in the programs."""
     orders = [[int(r) for r in order] for order in orders]
     p = len(orders[0])
     check_request(algorithm, collective, p, root)
-    c = len(orders)
-    if collective == "allreduce":
-        # one block cut into p * k pieces per channel; position i of channel j ends owning piece i
-        pattern = tuple(w for w in weights for _ in range(p * k))
-        ring_blocks = [[[j * p * k + i * k + s for s in range(k)] for i in range(p)] for j in range(c)]
-    elif collective in ("reduce_scatter", "allgather"):
-        # every rank's block cut into k pieces per channel; position i holds rank order[i]'s block
-        pattern = tuple(w for w in weights for _ in range(k))
-        width = len(pattern)
-        ring_blocks = [[[order[i] * width + j * k + s for s in range(k)] for i in range(p)]
-                       for j, order in enumerate(orders)]
+    ks = [int(k)] * len(orders) if isinstance(k, int) else [int(x) for x in k]
+    rings = p if collective == "allreduce" else 1      # ring blocks per channel within one buffer block
+    scale = lcm(*ks)
+    pattern, first = [], []                            # chunk weights; first piece of each channel
+    for w, kj in zip(weights, ks):
+        first.append(len(pattern))
+        pattern += [w * scale // kj] * (rings * kj)
+    width = len(pattern)
+    if collective == "allreduce":      # position i of channel j ends owning the channel's ring block i
+        ring_blocks = [[[f + i * kj + s for s in range(kj)] for i in range(p)] for f, kj in zip(first, ks)]
+    elif collective in ("reduce_scatter", "allgather"):   # position i holds rank order[i]'s block
+        ring_blocks = [[[order[i] * width + f + s for s in range(kj)] for i in range(p)]
+                       for order, f, kj in zip(orders, first, ks)]
     else:
-        pattern = tuple(w for w in weights for _ in range(k))
-        ring_blocks = [[[j * k + s for s in range(k)]] + [[]] * (p - 1) for j in range(c)]
+        ring_blocks = [[[f + s for s in range(kj)]] + [[]] * (p - 1) for f, kj in zip(first, ks)]
         orders = [order[order.index(root):] + order[:order.index(root)] for order in orders]
-    b = ScheduleBuilder(collective, p, pattern, root=root, algorithm=algorithm)
+    b = ScheduleBuilder(collective, p, tuple(pattern), root=root, algorithm=algorithm)
     if collective in ("allreduce", "reduce_scatter"):
         rings_reduce_scatter(b, orders, ring_blocks)
     if collective != "reduce_scatter":
         rings_allgather(b, orders, ring_blocks)
-    return b.build(channels=orders, channel_weights=list(weights), chunks_per_block=k, **info)
+    return b.build(channels=orders, channel_weights=list(weights), channel_chunks=ks, **info)
