@@ -110,12 +110,12 @@ def other_cycles(topo, first, count=EXTRA_CYCLES):
             pair = frozenset((order[i], order[(i + 1) % p]))
             used[pair] = used.get(pair, 0) + 1
 
+    def residual(a, b):
+        return topo.route_bandwidth(a, b) * USED_PAIR ** used.get(frozenset((a, b)), 0)
+
     note(first)
     found = []
     for _ in range(count):
-        def residual(a, b):
-            return topo.route_bandwidth(a, b) * USED_PAIR ** used.get(frozenset((a, b)), 0)
-
         order, _bottleneck = widest_ring(list(range(p)), residual)
         found.append(order)
         note(order)
