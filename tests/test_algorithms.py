@@ -7,7 +7,8 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import MAX_WAVE_OPS, WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth
+from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, WAVE_MIN_BYTES, ramp, stage_partitions,
+                                        wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.tree_packing import direct_links
@@ -302,15 +303,16 @@ def test_hierarchical_stages_match_tiers():
 
 
 def test_hierarchical_waves_overlap_the_stages():
-    # 64 MiB on 32 ranks in three tiers: 4 chunks per target, listed as 4 waves through the stages,
-    # so the slow tier works while the fast ones reduce the next wave: faster than stage after stage
+    # 64 MiB on 32 ranks in three tiers: 6 chunks per target (3+4+5+5+4+3 parts: the 256 KiB floor
+    # allows no steeper ramp), listed as 6 waves through the stages, so the slow tier works while the
+    # fast ones reduce the next wave: faster than stage after stage
     topo = three_tier(gpus=4, hosts=4, racks=2)
     nbytes = 64 << 20
     waved = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     info = waved.info
-    assert info["chunks_per_target"] == info["waves"] == 4
+    assert info["chunks_per_target"] == info["waves"] == 6 and info["lift"] == 2
     staged = hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "allreduce",
-                                   4, waves=1)
+                                   6, waves=1)
     assert [sorted(prog) for prog in waved.programs] == [sorted(prog) for prog in staged.programs]  # reordered
     verify(waved)
     assert simulate(topo, waved, nbytes).seconds < 0.85 * simulate(topo, staged, nbytes).seconds
@@ -322,11 +324,13 @@ def test_hierarchical_waves_overlap_the_stages():
 def test_hierarchical_waves_ramp_up_and_down():
     # the first and last waves are what the pipeline exposes: they are the small ones
     assert [ramp(k) for k in (1, 2, 3, 4, 5)] == [(1,), (1, 1), (1, 2, 1), (1, 2, 2, 1), (1, 2, 3, 2, 1)]
+    assert ramp(4, 1) == (2, 3, 3, 2) and ramp(3, 2) == (3, 4, 3)
     topo = three_tier(gpus=4, hosts=4, racks=2)
-    nbytes = 64 << 20
+    nbytes = 256 << 20                    # 8 MiB per target: eight waves, ramped in full
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     k = sched.info["chunks_per_target"]
-    assert sched.info["ramped"] and sched.pattern == ramp(k) * topo.nranks
+    assert (k, sched.info["lift"]) == (8, 0)
+    assert sched.info["ramped"] and sched.pattern == ramp(k, sched.info["lift"]) * topo.nranks
     verify(sched)
     even = hierarchical_schedule(sched.info["order"], [st["groups"] for st in sched.info["stages"]][:-1],
                                  "allreduce", k, waves=k)
@@ -336,21 +340,26 @@ def test_hierarchical_waves_ramp_up_and_down():
         verify(ALGORITHMS["hierarchical"](topo, collective, root=3, nbytes=nbytes))
 
 
-@pytest.mark.parametrize("nbytes,pieces,ops,k", [
-    (64 << 20, 32, 4 * 31, 4),            # 2 MiB per target: 1+2+2+1 = 6 parts of >= 256 KiB
-    (256 << 20, 16, 4 * 15, 8),           # plenty of bytes: MAX_PIPELINE
-    (256 << 20, 192, 4 * 191, 3),         # the op budget: 192 x 4 x 764 would exceed it
-    (256 << 20, 1024, 4 * 1023, 1),
-    (1 << 20, 4, 4 * 3, 1),               # 256 KiB per target: no room for two
-    (None, 8, 28, 1),
+@pytest.mark.parametrize("nbytes,pieces,ops,k,lift", [
+    (64 << 20, 32, 4 * 31, 6, 2),         # 2 MiB per target: 3+4+5+5+4+3 = 24 parts, the smallest 256 KiB
+    (16 << 20, 32, 4 * 31, 2, 0),         # 512 KiB per target: two halves; three waves never fit
+    (256 << 20, 16, 4 * 15, 8, 0),        # plenty of bytes: MAX_PIPELINE, fully ramped
+    (256 << 20, 192, 4 * 191, 4, 1),      # the op budget stops at 4; 1+2+2+1 would cut 227 KiB chunks
+    (256 << 20, 1024, 4 * 1023, 1, 0),
+    (1 << 20, 4, 4 * 3, 1, 0),            # 256 KiB per target: no room for two
+    (None, 8, 28, 1, 0),
 ])
-def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k):
-    assert wave_depth(nbytes, pieces, ops) == k
+def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k, lift):
+    assert wave_depth(nbytes, pieces, ops) == (k, lift)
     if k > 1:
-        assert nbytes // (pieces * sum(ramp(k))) >= WAVE_MIN_BYTES and pieces * k * ops <= MAX_WAVE_OPS
-    if k < 8 and nbytes:
+        assert nbytes * (1 + lift) // (pieces * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
+        assert pieces * k * ops <= MAX_WAVE_OPS
+        # the ramp is as steep as the floor allows
+        assert lift == 0 or nbytes * lift // (pieces * sum(ramp(k, lift - 1))) < WAVE_MIN_BYTES
+    if k < 8 and nbytes:                  # one wave more breaks a limit at every lift
         more = k + 1
-        assert (nbytes // (pieces * sum(ramp(more))) < WAVE_MIN_BYTES or pieces * more * ops > MAX_WAVE_OPS)
+        assert pieces * more * ops > MAX_WAVE_OPS or all(
+            nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
 
 
 def test_hierarchical_unequal_groups():
