@@ -303,19 +303,22 @@ def _verified(sched):
 def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
     from .units import format_seconds, format_size
 
-    others = {**outpaced, **baselines}    # simulated times, and lower bounds of those stopped early
     if requested != AUTO:
         head = f"{chosen} was requested"
-    elif not others:
+    elif not baselines and not outpaced:
         head = f"{chosen} is the only algorithm that applies"
     else:
-        runner, runner_s = min(others.items(), key=lambda kv: kv[1])
-        if runner in baselines:
-            head = (f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}, "
-                    f"{runner_s / seconds:.2f}x faster than the next best ({runner}, {format_seconds(runner_s)})")
-        else:
-            head = (f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}, "
-                    f"at least {runner_s / seconds:.2f}x faster than any other")
+        head = f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}"
+        if baselines:
+            runner, runner_s = min(baselines.items(), key=lambda kv: kv[1])
+            head += (f", {runner_s / seconds:.2f}x faster than the next best "
+                     f"{'run to its end ' if outpaced else ''}({runner}, {format_seconds(runner_s)})")
+        if not baselines:
+            head += "; every other was stopped once it could not win"
+        elif len(outpaced) == 1:
+            head += "; 1 more was stopped once it could not win"
+        elif outpaced:
+            head += f"; {len(outpaced)} more were stopped once they could not win"
     regime = ("latency-bound (the message is small: fewest rounds wins)"
               if bound.latency_seconds >= bound.bandwidth_seconds else
               "bandwidth-bound (the message is large: using every link's capacity wins)")

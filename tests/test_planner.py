@@ -124,6 +124,8 @@ def test_plan_text_and_json_show_what_was_stopped_early(capsys, tmp_path, monkey
     assert main(["plan", topo, "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert "vs ring" in out and "stopped once it could not win" in out
+    why = next(line for line in out.splitlines() if line.startswith("why"))
+    assert "next best run to its end" in why and "stopped once" in why
     assert main(["plan", topo, "--workers", "1", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["outpaced"] and set(record["outpaced"]).isdisjoint(record["baselines"])
