@@ -464,18 +464,19 @@ class _Run:
         self.topo, self.schedule, self.nbytes, self.ceiling = topo, schedule, nbytes, ceiling
         self.fabric = _Fabric(topo, schedule)
 
-    def _watched(self, pair_bytes, route_of):
+    def _watched(self, link_total):
         """For the ceiling check: ``(the bytes each watched link must carry, their capacities, the
-        watched links of every bundle as positions in those lists)``. Watched are the links whose load
-        over capacity comes within :data:`WATCHED_LOAD` of the busiest's: any subset gives a valid
-        bound, and these are where it starts highest."""
+        watched links of every bundle as positions in those lists)``, from ``link_total`` (bytes per
+        link over the run). Watched are the links whose load over capacity comes within
+        :data:`WATCHED_LOAD` of the busiest's: any subset gives a valid bound, and these are where it
+        starts highest."""
         fabric = self.fabric
         caps = np.array(fabric.caps)
-        seconds = _link_totals(fabric, pair_bytes, route_of) / caps
+        seconds = link_total / caps
         watched = np.nonzero(seconds >= WATCHED_LOAD * seconds.max())[0] if len(seconds) else []
         local = {int(l): i for i, l in enumerate(watched)}
         bundle_watch = [tuple(local[l] for l in links if l in local) for links in fabric.bundle_links]
-        return (seconds[watched] * caps[watched]).tolist(), caps[watched].tolist(), bundle_watch
+        return link_total[watched].tolist(), caps[watched].tolist(), bundle_watch
 
     def _flatten(self):
         """Every op of every rank as one index: kind, rank, bytes, partner, open dependencies, dependents."""
@@ -532,6 +533,7 @@ class _Run:
                     pair_bytes[key] = pair_bytes.get(key, 0.0) + size[g]
         nranks = schedule.nranks
         reduce_bw = [float(topo.reduce_bandwidth(r)) for r in range(nranks)]
+        link_total = _link_totals(fabric, pair_bytes, route_of)   # the result's, and the ceiling's start
 
         # Operation state. Work items and events name an op g and what happens to it, packed in an int.
         DONE, LAND, READY = 0, 1, 2            # work items: 4 * g + action
@@ -574,7 +576,7 @@ class _Run:
         ceiling = self.ceiling
         bundle_watch = None
         if ceiling is not None:        # bytes the most loaded links must still take (see simulate)
-            unstarted, watched_cap, bundle_watch = self._watched(pair_bytes, route_of)
+            unstarted, watched_cap, bundle_watch = self._watched(link_total)
             check_in = 1
 
         # a receive whose data and dependencies are there completes at once (DONE) unless it reduces
@@ -830,11 +832,10 @@ class _Run:
                      for g in range(n) if not finished[g]][:4]
             raise ScheduleError(f"deadlock: {n - completed} operations never complete; first stuck: "
                                 + "; ".join(stuck))
-        return self._result(makespan, pair_bytes, route_of, ntransfers, events)
+        return self._result(makespan, link_total, ntransfers, events)
 
-    def _result(self, seconds, pair_bytes, route_of, ntransfers, events):
+    def _result(self, seconds, total, ntransfers, events):
         fabric = self.fabric
-        total = _link_totals(fabric, pair_bytes, route_of)
         link_bytes, util = {}, {}
         for i, key in enumerate(fabric.keys):
             if total[i] > 0:
