@@ -128,3 +128,13 @@ def test_topo_without_subcommand_shows_usage():
     proc = ddl("topo")
     assert proc.returncode == 2
     assert "validate" in proc.stderr
+
+
+def test_reader_that_stops_early_gets_no_traceback():
+    """``ddl ... | head``: when the reader has gone, ddl stops quietly with a broken pipe's status."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddl", "topo", "show", ZOO / "ibm-3tier-192.yaml"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                # gone before ddl writes its first line
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 141, err
+    assert err == b"", err

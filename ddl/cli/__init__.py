@@ -2,10 +2,12 @@
 
 Each sub-command lives in its own module with a ``register(subparsers)`` function that adds its parser
 and sets ``func``. User errors (any :class:`ddl.Error`, a missing file) become one line on stderr and
-exit status 2; a traceback is shown only for bugs.
+exit status 2; a traceback is shown only for bugs. Output piped into a reader that stops early
+(``ddl plan ... | head``) ends quietly, as ``cat`` would, with the status of a broken pipe (141).
 """
 import argparse
 import importlib
+import os
 import sys
 
 from .. import __version__
@@ -36,7 +38,9 @@ def main(argv=None):
         parser.print_help()
         return 2
     try:
-        return args.func(args) or 0
+        status = args.func(args) or 0
+        sys.stdout.flush()             # inside the try: a reader that has gone is noticed here
+        return status
     except Error as exc:
         print(f"ddl: error: {exc}", file=sys.stderr)
         return 2
@@ -46,6 +50,11 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("ddl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader has gone: point stdout at /dev/null so that the interpreter's final flush does
+        # not raise again on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
