@@ -127,7 +127,16 @@ class Planner:
     # ---- full plans (with predictions, for users and the CLI) -----------------------------------
     def plan(self, collective, nbytes, algorithm=AUTO, root=0, exhaustive=False):
         """Build, predict and compare; see :class:`Plan`. ``exhaustive``: simulate every candidate to
-        its end, even those that provably lose (for tables that compare them)."""
+        its end, even those that provably lose (for tables that compare them).
+
+        The cyclic garbage collector is paused throughout: the candidates are millions of small
+        containers without cycles, and every collection in between (after each build, in the forked
+        workers) would walk all of them again, seconds each at a thousand ranks. The losers are freed
+        by reference counting as the plan returns."""
+        with gc_paused():
+            return self._plan(collective, nbytes, algorithm, root, exhaustive)
+
+    def _plan(self, collective, nbytes, algorithm, root, exhaustive):
         from .algorithms import REDUNDANT
         from .bounds import lower_bound
 
@@ -145,8 +154,7 @@ class Planner:
                 skipped[name] = why
                 continue
             try:
-                with gc_paused():      # millions of small tuples and no cycles: collections only cost
-                    sched = self._build(name, collective, nbytes, root)
+                sched = self._build(name, collective, nbytes, root)
             except PlanError as exc:
                 skipped[name] = str(exc)
                 continue

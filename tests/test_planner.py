@@ -133,3 +133,25 @@ def test_plan_text_and_json_show_what_was_stopped_early(capsys, tmp_path, monkey
     assert main(["plan", topo, "--workers", "1", "--json", "--compare"]) == 0
     [record] = json.loads(capsys.readouterr().out)
     assert record["outpaced"] == {} and "ring" in record["baselines"]
+
+
+def test_the_garbage_collector_is_paused_while_planning_and_restored_after(monkeypatch):
+    # every collection during a plan walks all the candidates' operations again (seconds each at a
+    # thousand ranks), so none may run until the plan returns; the caller's setting is restored
+    import gc
+
+    seen = []
+    build, predict = Planner._build, planner_module._predict
+    monkeypatch.setattr(Planner, "_build", lambda self, *a: seen.append(gc.isenabled()) or build(self, *a))
+    monkeypatch.setattr(planner_module, "_predict", lambda *a: seen.append(gc.isenabled()) or predict(*a))
+    planner = _planner("fat-tree-4x4-r8")
+    assert gc.isenabled()
+    planner.plan("allreduce", 16 << 20)
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        planner.plan("allreduce", 1 << 20)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
