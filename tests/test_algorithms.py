@@ -1,5 +1,6 @@
 """Collective algorithms: every schedule verifies; orders, stages and chunking do what they claim."""
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,15 +8,18 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, WAVE_MIN_BYTES, ramp, stage_partitions,
-                                        wave_depth)
+from ddl.algorithms.hierarchical import (CHOOSE_WAVES_OPS, MAX_LIFT, MAX_WAVE_OPS, WAVE_CAPS, WAVE_MIN_BYTES, ramp,
+                                        stage_partitions, wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.tree_packing import direct_links
 from ddl.errors import PlanError
 from ddl.planner import flat_topology
 from ddl.simulate import simulate
+from ddl.topology import Topology
 from ddl.verify import verify
+
+ZOO = Path(__file__).resolve().parent.parent / "topologies"
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SUPPORTS = {
@@ -326,16 +330,19 @@ def test_hierarchical_waves_ramp_up_and_down():
     assert [ramp(k) for k in (1, 2, 3, 4, 5)] == [(1,), (1, 1), (1, 2, 1), (1, 2, 2, 1), (1, 2, 3, 2, 1)]
     assert ramp(4, 1) == (2, 3, 3, 2) and ramp(3, 2) == (3, 4, 3)
     topo = three_tier(gpus=4, hosts=4, racks=2)
-    nbytes = 256 << 20                    # 8 MiB per target: eight waves, ramped in full
+    nbytes = 256 << 20                    # 8 MiB per target: eight waves ramped in full, or more lifted
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     k = sched.info["chunks_per_target"]
-    assert (k, sched.info["lift"]) == (8, 0)
+    assert k >= 8 and sched.info["waves"] == k
     assert sched.info["ramped"] and sched.pattern == ramp(k, sched.info["lift"]) * topo.nranks
     verify(sched)
-    even = hierarchical_schedule(sched.info["order"], [st["groups"] for st in sched.info["stages"]][:-1],
-                                 "allreduce", k, waves=k)
-    assert set(even.pattern) == {1}
-    assert simulate(topo, sched, nbytes).seconds < 0.97 * simulate(topo, even, nbytes).seconds
+    # eight waves fully ramped (1, 2, 3, 4, 4, 3, 2, 1) against eight equal ones
+    order, parts = sched.info["order"], [st["groups"] for st in sched.info["stages"]][:-1]
+    ramped = hierarchical_schedule(order, parts, "allreduce", 8, waves=8, ramped=True)
+    even = hierarchical_schedule(order, parts, "allreduce", 8, waves=8)
+    assert ramped.pattern == ramp(8) * topo.nranks and set(even.pattern) == {1}
+    assert simulate(topo, ramped, nbytes).seconds < 0.97 * simulate(topo, even, nbytes).seconds
+    assert simulate(topo, sched, nbytes).seconds <= simulate(topo, ramped, nbytes).seconds
     for collective in COLLECTIVES:
         verify(ALGORITHMS["hierarchical"](topo, collective, root=3, nbytes=nbytes))
 
@@ -360,6 +367,46 @@ def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k, l
         more = k + 1
         assert pieces * more * ops > MAX_WAVE_OPS or all(
             nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
+
+
+@pytest.mark.parametrize("name,fewest", [("dgx-a100-2x8", False), ("leaf-spine-2rack", True)])
+def test_hierarchical_simulates_its_wave_counts_and_keeps_the_fastest(name, fewest):
+    # which wave count overlaps the tiers best is no rule's: sixteen (lifted) win on the A100 pair,
+    # eight on the oversubscribed leaf-spine; every count tried is rebuilt here and simulated again
+    topo = Topology.load(ZOO / f"{name}.yaml")
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    tried = sched.info["waves_tried"]
+    p = topo.nranks
+    assert [(t["waves"], t["lift"]) for t in tried] == sorted({wave_depth(nbytes, p, 4 * (p - 1), most)
+                                                              for most in WAVE_CAPS})
+    assert len(tried) == 3 and tried[0]["waves"] == 8
+    order, parts = sched.info["order"], [st["groups"] for st in sched.info["stages"]][:-1]
+    for t in tried:
+        again = hierarchical_schedule(order, parts, "allreduce", t["waves"], waves=t["waves"], ramped=True,
+                                      lift=t["lift"])
+        assert simulate(topo, again, nbytes).seconds == t["seconds"]
+    best = min(tried, key=lambda t: t["seconds"])
+    assert (sched.info["chunks_per_target"], sched.info["lift"]) == (best["waves"], best["lift"])
+    assert simulate(topo, sched, nbytes).seconds == best["seconds"]
+    assert (best is tried[0]) == fewest
+    assert fewest or best["seconds"] < 0.99 * tried[0]["seconds"]
+    verify(sched)
+
+
+def test_hierarchical_tries_no_wave_counts_on_large_schedules(monkeypatch):
+    # 192 ranks: even the smallest schedule with waves exceeds what is simulated to choose; the
+    # rule's count is taken as it is
+    import importlib
+
+    hier = importlib.import_module("ddl.algorithms.hierarchical")
+    monkeypatch.setattr(hier, "simulate", lambda *a, **k: pytest.fail("simulated a large schedule"))
+    topo = Topology.load(ZOO / "ibm-3tier-192.yaml")
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=256 << 20)
+    p = topo.nranks
+    assert 192 * 2 * 4 * (p - 1) > CHOOSE_WAVES_OPS
+    assert (sched.info["chunks_per_target"], sched.info["lift"]) == wave_depth(256 << 20, p, 4 * (p - 1))
+    assert "waves_tried" not in sched.info
 
 
 def test_hierarchical_unequal_groups():

@@ -45,9 +45,17 @@ waves 1, 2, 1; on the 32-rank three-tier test cluster at 64 MiB six lifted by tw
 192-rank three-tier cluster at 256 MiB this cuts the predicted time from 82.5 ms (two chunks, stage
 after stage) to 71.7 ms (two equal waves), 64.6 ms (three ramped waves) and 63.1 ms (four waves,
 lifted by one).
+
+How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
+caught it: on the DGX A100 clusters sixteen waves (lifted) beat eight by 1.4-2.2%, on the
+oversubscribed leaf-spine they lose 3%. So where the schedules are small enough to simulate in a
+moment (``CHOOSE_WAVES_OPS``), the most waves that fit under caps of 8, 12 and 16 are each built
+and simulated on the topology, and the fastest is kept (the fewest waves on a tie); larger ones take
+the cap of 8 (MAX_PIPELINE) without trying.
 """
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
+from ..simulate import simulate
 from .ring import (MAX_PIPELINE, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
 
@@ -58,6 +66,10 @@ WAVE_MIN_BYTES = 256 << 10
 MAX_WAVE_OPS = 600_000
 # The ramp of the waves may be lifted by up to this much where its smallest waves would be too small.
 MAX_LIFT = 3
+# Caps on the number of waves whose schedules are simulated to choose among them ...
+WAVE_CAPS = (MAX_PIPELINE, 12, 16)
+# ... where the largest of them has at most this many operations (a second or so of simulation each).
+CHOOSE_WAVES_OPS = 200_000
 
 
 def stage_partitions(nranks, partitions):
@@ -86,12 +98,12 @@ def ramp(k, lift=0):
     return tuple(min(j + 1, k - j) + lift for j in range(k))
 
 
-def wave_depth(nbytes, pieces, ops_per_chunk):
-    """``(k, lift)``: the most ramped waves per target (up to MAX_PIPELINE) whose schedule, of
+def wave_depth(nbytes, pieces, ops_per_chunk, most=MAX_PIPELINE):
+    """``(k, lift)``: the most ramped waves per target (up to ``most``) whose schedule, of
     ``ops_per_chunk`` operations per chunk, stays within MAX_WAVE_OPS and whose smallest chunk stays
     >= WAVE_MIN_BYTES with the steepest ramp (lift 0 to MAX_LIFT) that allows it; ``(1, 0)`` if
     none does. More waves overlap the tiers better even where the floor makes them ramp gentler."""
-    for k in range(MAX_PIPELINE, 1, -1):
+    for k in range(most, 1, -1):
         if pieces * k * ops_per_chunk > MAX_WAVE_OPS:
             continue
         for lift in range(MAX_LIFT + 1):
@@ -190,12 +202,25 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     stages = stage_partitions(p, parts)
     waved = len(stages) > 1          # stages to overlap: one ramped wave per chunk (see the module docstring)
     pieces = 1 if collective == "broadcast" else p
-    if waved:
-        k, lift = wave_depth(nbytes, pieces, (4 if collective == "allreduce" else 2) * (p - 1))
-    else:
-        k, lift = pipeline_depth(nbytes, pieces), 0
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
-    stage_bw = [tier_bw.get(groups) for groups in stages]
-    return hierarchical_schedule(order, parts, collective, k, root, waves=k if waved else 1, ramped=waved, lift=lift,
-                                 stage_bandwidths=[None if bw is None else float(bw) for bw in stage_bw])
+    stage_bw = [None if bw is None else float(bw) for bw in (tier_bw.get(groups) for groups in stages)]
+    if not waved:
+        k = pipeline_depth(nbytes, pieces)
+        return hierarchical_schedule(order, parts, collective, k, root, stage_bandwidths=stage_bw)
+    ops_per_chunk = (4 if collective == "allreduce" else 2) * (p - 1)
+    depths = sorted({wave_depth(nbytes, pieces, ops_per_chunk, most) for most in WAVE_CAPS})
+
+    def build(k, lift):
+        return hierarchical_schedule(order, parts, collective, k, root, waves=k, ramped=True, lift=lift,
+                                     stage_bandwidths=stage_bw)
+
+    if len(depths) == 1 or pieces * depths[-1][0] * ops_per_chunk > CHOOSE_WAVES_OPS:
+        return build(*wave_depth(nbytes, pieces, ops_per_chunk))
+    tried = []
+    for k, lift in depths:             # fewest waves first: a tie keeps the earlier
+        sched = build(k, lift)
+        tried.append((simulate(topo, sched, nbytes).seconds, k, lift, sched))
+    seconds, k, lift, sched = min(tried, key=lambda t: t[0])
+    sched.info["waves_tried"] = [{"waves": k, "lift": lift, "seconds": secs} for secs, k, lift, _ in tried]
+    return sched
