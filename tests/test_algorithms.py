@@ -8,8 +8,8 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import (CHOOSE_WAVES_OPS, MAX_LIFT, MAX_WAVE_OPS, WAVE_CAPS, WAVE_MIN_BYTES, ramp,
-                                        stage_partitions, wave_depth)
+from ddl.algorithms.hierarchical import (CHOOSE_WAVES_OPS, MAX_LIFT, MAX_WAVE_OPS, MIN_WAVE_GAIN, WAVE_CAPS,
+                                        WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.tree_packing import direct_links
@@ -369,10 +369,12 @@ def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k, l
             nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
 
 
-@pytest.mark.parametrize("name,fewest", [("dgx-a100-2x8", False), ("leaf-spine-2rack", True)])
+@pytest.mark.parametrize("name,fewest", [("dgx-a100-2x8", False), ("leaf-spine-2rack", True),
+                                         ("fat-tree-4x4-r16", True)])
 def test_hierarchical_simulates_its_wave_counts_and_keeps_the_fastest(name, fewest):
     # which wave count overlaps the tiers best is no rule's: sixteen (lifted) win on the A100 pair,
-    # eight on the oversubscribed leaf-spine; every count tried is rebuilt here and simulated again
+    # eight on the oversubscribed leaf-spine; on the 16:1 fat tree sixteen are predicted faster, but
+    # by less than the 1% that more messages must earn. Every count tried is rebuilt and simulated
     topo = Topology.load(ZOO / f"{name}.yaml")
     nbytes = 256 << 20
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
@@ -386,11 +388,15 @@ def test_hierarchical_simulates_its_wave_counts_and_keeps_the_fastest(name, fewe
         again = hierarchical_schedule(order, parts, "allreduce", t["waves"], waves=t["waves"], ramped=True,
                                       lift=t["lift"])
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
-    best = min(tried, key=lambda t: t["seconds"])
-    assert (sched.info["chunks_per_target"], sched.info["lift"]) == (best["waves"], best["lift"])
-    assert simulate(topo, sched, nbytes).seconds == best["seconds"]
-    assert (best is tried[0]) == fewest
-    assert fewest or best["seconds"] < 0.99 * tried[0]["seconds"]
+    kept = tried[0]
+    for t in tried[1:]:
+        if t["seconds"] < (1 - MIN_WAVE_GAIN) * kept["seconds"]:
+            kept = t
+    assert (sched.info["chunks_per_target"], sched.info["lift"]) == (kept["waves"], kept["lift"])
+    assert simulate(topo, sched, nbytes).seconds == kept["seconds"]
+    assert (kept is tried[0]) == fewest
+    if name == "fat-tree-4x4-r16":     # predicted faster, not by enough
+        assert min(t["seconds"] for t in tried) < kept["seconds"]
     verify(sched)
 
 
