@@ -48,14 +48,20 @@ lifted by one).
 
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) are predicted 1.4-2.2% faster than
-eight, on the oversubscribed leaf-spine 3% slower. So where the schedules are small enough to
-simulate in a moment (``CHOOSE_WAVES_OPS``), the most waves that fit under caps of 8, 12 and 16 are
-each built and simulated on the topology; larger ones take the cap of 8 (MAX_PIPELINE) untried.
+eight, on the oversubscribed leaf-spine 3% slower. Nor is every tier worth a stage: on the
+leaf-spine a ring over all eight hosts (two crossings of each rack's uplinks per ring) overlaps with
+the in-host stage better than a stage inside each rack and another across the racks, 1.016 of the
+bound against 1.080. So where the schedules are small enough to simulate in a moment
+(``CHOOSE_WAVES_OPS``), the variants are built and simulated on the topology: every tier, then each
+tier left out in turn, with the most waves that fit under a cap of 8; then, on the stages kept, the
+most waves under caps of 12 and 16. Larger schedules take every tier and the cap of 8 untried.
 More waves are more messages, which the simulator charges nothing for, and on the emulated
 one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster than eight ran
-7% slower (544-558 ms against 507-515 ms, two paired runs). So more waves are kept only where they
-are predicted ``MIN_WAVE_GAIN`` (1%) faster than the fewer waves kept so far.
+7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant replaces the one kept so
+far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster.
 """
+from itertools import combinations
+
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
 from ..simulate import simulate
@@ -73,8 +79,8 @@ MAX_LIFT = 3
 WAVE_CAPS = (MAX_PIPELINE, 12, 16)
 # ... where the largest of them has at most this many operations (a second or so of simulation each);
 CHOOSE_WAVES_OPS = 200_000
-# more waves must be predicted faster by this fraction, since every message costs what the model omits.
-MIN_WAVE_GAIN = 0.01
+# A variant other than the first (all tiers, fewest waves) must be predicted faster by this fraction.
+MIN_VARIANT_GAIN = 0.01
 
 
 def stage_partitions(nranks, partitions):
@@ -209,25 +215,47 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     pieces = 1 if collective == "broadcast" else p
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
-    stage_bw = [None if bw is None else float(bw) for bw in (tier_bw.get(groups) for groups in stages)]
+
+    def build(tiers, k, lift=0):
+        bws = (tier_bw.get(groups) for groups in stage_partitions(p, tiers))
+        return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
+                                     lift=lift, stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
+
     if not waved:
-        k = pipeline_depth(nbytes, pieces)
-        return hierarchical_schedule(order, parts, collective, k, root, stage_bandwidths=stage_bw)
+        return build(parts, pipeline_depth(nbytes, pieces))
     ops_per_chunk = (4 if collective == "allreduce" else 2) * (p - 1)
     depths = sorted({wave_depth(nbytes, pieces, ops_per_chunk, most) for most in WAVE_CAPS})
+    tier_sets = _tier_sets(p, parts)
+    if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
+            or pieces * depths[-1][0] * ops_per_chunk > CHOOSE_WAVES_OPS):
+        return build(parts, *depths[0])
+    tried, kept = [], None
 
-    def build(k, lift):
-        return hierarchical_schedule(order, parts, collective, k, root, waves=k, ramped=True, lift=lift,
-                                     stage_bandwidths=stage_bw)
-
-    if len(depths) == 1 or pieces * depths[-1][0] * ops_per_chunk > CHOOSE_WAVES_OPS:
-        return build(*wave_depth(nbytes, pieces, ops_per_chunk))
-    tried, kept, kept_seconds = [], None, None
-    for k, lift in depths:             # fewest waves first
-        sched = build(k, lift)
+    def consider(tiers, k, lift):
+        nonlocal kept
+        sched = build(tiers, k, lift)
         seconds = simulate(topo, sched, nbytes).seconds
-        tried.append({"waves": k, "lift": lift, "seconds": seconds})
-        if kept is None or seconds < kept_seconds * (1 - MIN_WAVE_GAIN):
-            kept, kept_seconds = sched, seconds
-    kept.info["waves_tried"] = tried
-    return kept
+        tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
+                      "seconds": seconds})
+        if kept is None or seconds < kept[0] * (1 - MIN_VARIANT_GAIN):
+            kept = (seconds, tiers, sched)
+
+    for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
+        consider(tiers, *depths[0])
+    for k, lift in depths[1:]:         # then more waves on the stages kept
+        consider(kept[1], k, lift)
+    kept[2].info["variants_tried"] = tried
+    return kept[2]
+
+
+def _tier_sets(p, parts):
+    """The tiers to run stages on: all of ``parts``, then all but one (each tier left out in turn),
+    where that leaves a stage below the top one; each set of stages once."""
+    seen, sets = set(), []
+    for size in (len(parts), len(parts) - 1):
+        for subset in combinations(parts, size):
+            stages = tuple(stage_partitions(p, subset))
+            if len(stages) > 1 and stages not in seen:
+                seen.add(stages)
+                sets.append(list(subset))
+    return sets
