@@ -130,9 +130,9 @@ class Planner:
         its end, even those that provably lose (for tables that compare them).
 
         The cyclic garbage collector is paused throughout: the candidates are millions of small
-        containers without cycles, and every collection in between (after each build, in the forked
-        workers) would walk all of them again, seconds each at a thousand ranks. The losers are freed
-        by reference counting as the plan returns."""
+        containers without cycles, and every collection between two builds would walk all those built
+        so far again, seconds each at a thousand ranks. The losers are freed by reference counting as
+        the plan returns."""
         with gc_paused():
             return self._plan(collective, nbytes, algorithm, root, exhaustive)
 

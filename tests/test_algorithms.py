@@ -8,7 +8,7 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import (CHOOSE_WAVES_OPS, MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, WAVE_CAPS,
+from ddl.algorithms.hierarchical import (CHOOSE_VARIANTS_OPS, MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, WAVE_CAPS,
                                         WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
@@ -419,7 +419,7 @@ def test_hierarchical_tries_no_wave_counts_on_large_schedules(monkeypatch):
     topo = Topology.load(ZOO / "ibm-3tier-192.yaml")
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=256 << 20)
     p = topo.nranks
-    assert 192 * 2 * 4 * (p - 1) > CHOOSE_WAVES_OPS
+    assert 192 * 2 * 4 * (p - 1) > CHOOSE_VARIANTS_OPS
     assert (sched.info["chunks_per_target"], sched.info["lift"]) == wave_depth(256 << 20, p, 4 * (p - 1))
     assert "variants_tried" not in sched.info
 

@@ -52,13 +52,13 @@ eight, on the oversubscribed leaf-spine 3% slower. Nor is every tier worth a sta
 leaf-spine a ring over all eight hosts (two crossings of each rack's uplinks per ring) overlaps with
 the in-host stage better than a stage inside each rack and another across the racks, 1.016 of the
 bound against 1.080. So where the schedules are small enough to simulate in a moment
-(``CHOOSE_WAVES_OPS``), the variants are built and simulated on the topology: every tier, then each
-tier left out in turn, with the most waves that fit under a cap of 8; then, on the stages kept, the
-most waves under caps of 12 and 16. Larger schedules take every tier and the cap of 8 untried.
-More waves are more messages, which the simulator charges nothing for, and on the emulated
-one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster than eight ran
-7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant replaces the one kept so
-far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster.
+(``CHOOSE_VARIANTS_OPS``), the variants are built and simulated on the topology: every tier,
+then each tier left out in turn, with the most waves that fit under a cap of 8; then, on the
+stages kept, the most waves under caps of 12 and 16. Larger schedules take every tier and the
+cap of 8 untried. More waves are more messages, which the simulator charges nothing for, and on
+the emulated one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster
+than eight ran 7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant replaces
+the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster.
 """
 from itertools import combinations
 
@@ -75,11 +75,11 @@ WAVE_MIN_BYTES = 256 << 10
 MAX_WAVE_OPS = 600_000
 # The ramp of the waves may be lifted by up to this much where its smallest waves would be too small.
 MAX_LIFT = 3
-# Caps on the number of waves whose schedules are simulated to choose among them ...
+# Variants (tiers left out, more waves under these caps) are simulated to choose among them ...
 WAVE_CAPS = (MAX_PIPELINE, 12, 16)
-# ... where the largest of them has at most this many operations (a second or so of simulation each);
-CHOOSE_WAVES_OPS = 200_000
-# A variant other than the first (all tiers, fewest waves) must be predicted faster by this fraction.
+# ... where the largest has at most this many operations (a second or so of simulation each) ...
+CHOOSE_VARIANTS_OPS = 200_000
+# ... and one other than the first (every tier, fewest waves) must be predicted this much faster.
 MIN_VARIANT_GAIN = 0.01
 
 
@@ -227,7 +227,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     depths = sorted({wave_depth(nbytes, pieces, ops_per_chunk, most) for most in WAVE_CAPS})
     tier_sets = _tier_sets(p, parts)
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
-            or pieces * depths[-1][0] * ops_per_chunk > CHOOSE_WAVES_OPS):
+            or pieces * depths[-1][0] * ops_per_chunk > CHOOSE_VARIANTS_OPS):
         return build(parts, *depths[0])
     tried, kept = [], None
 
