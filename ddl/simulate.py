@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ScheduleError
-from .schedule import gc_paused
+from .schedule import OP_KINDS, gc_paused
 
 __all__ = ["Simulation", "Outpaced", "simulate", "max_min_rates"]
 
@@ -84,9 +84,8 @@ WATCHED_LOAD = 0.5
 # ... and the bound is checked every this many instants of the run.
 CEILING_EVERY = 16
 
-_SEND, _RECV, _REDUCE = 0, 1, 2
-_KIND = {"send": _SEND, "recv": _RECV, "reduce": _REDUCE}
-_NAMES = ("send", "recv", "reduce")
+_SEND, _RECV, _REDUCE = range(3)     # Dataflow.kind: indices into OP_KINDS
+_NAMES = OP_KINDS
 
 
 @dataclass(frozen=True)
@@ -479,28 +478,12 @@ class _Run:
         return link_total[watched].tolist(), caps[watched].tolist(), bundle_watch
 
     def _flatten(self):
-        """Every op of every rank as one index: kind, rank, bytes, partner, open dependencies, dependents."""
-        s = self.schedule
-        programs, deps, matches = s.programs, s.dependencies, s.matches
-        base = [0] * (s.nranks + 1)
-        for r, prog in enumerate(programs):
-            base[r + 1] = base[r] + len(prog)
-        n = base[-1]
-        kind, rank, chunk, partner, waiting = [], [], [], [], []
-        dependents = [[] for _ in range(n)]
-        code = _KIND
-        for r, prog in enumerate(programs):
-            b = base[r]
-            kind.extend([code[op[0]] for op in prog])
-            chunk.extend([op[1] for op in prog])
-            rank.extend([r] * len(prog))
-            partner.extend([base[pr] + pi for pr, pi in matches[r]])
-            waiting.extend(map(len, deps[r]))
-            for i, d in enumerate(deps[r], b):
-                for j in d:
-                    dependents[b + j].append(i)
-        size = (s.chunk_fractions[np.array(chunk, dtype=np.int64)] * self.nbytes).tolist() if n else []
-        return n, kind, rank, size, partner, waiting, dependents
+        """Every op of every rank as one index (:attr:`Schedule.dataflow`), with its bytes and a
+        fresh count of the ops it still waits for."""
+        df = self.schedule.dataflow
+        n = len(df.kind)
+        size = (self.schedule.chunk_fractions[np.array(df.chunk, dtype=np.int64)] * self.nbytes).tolist() if n else []
+        return n, df.kind, df.rank, size, df.partner, list(df.waiting), df.dependents
 
     def run(self):
         with gc_paused():              # millions of small containers: the cyclic GC only costs time here

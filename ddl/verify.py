@@ -12,7 +12,8 @@ records the reduction order. At the end:
 * broadcast: every rank holds the root's data.
 
 Execution follows the schedule's dataflow rules (see :mod:`ddl.schedule`) as a topological sort over
-the operations of all ranks, with an edge from every send to its matched receive. Operations left over
+the operations of all ranks (:attr:`Schedule.dataflow`), with an edge from every send to its matched
+receive. Operations left over
 when no more can run form a cycle of waits: the verifier names the first stuck operation of each rank.
 Values seen by a send are those the executor would send, whatever order ready operations run in,
 because conflicting operations on a chunk are always ordered by dependencies.
@@ -21,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .errors import ScheduleError
-from .schedule import REDUCE, SEND, gc_paused
+from .schedule import OP_KINDS, REDUCE, SEND, gc_paused
 
 
 @dataclass(frozen=True)
@@ -98,54 +99,60 @@ def _describe(schedule, rank, index):
 
 
 def _execute(schedule, state, values):
-    programs, deps, matches = schedule.programs, schedule.dependencies, schedule.matches
-    waiting = [[len(d) + (0 if op.kind == SEND else 1) for op, d in zip(prog, dep)]
-               for prog, dep in zip(programs, deps)]
-    dependents = [[[] for _ in prog] for prog in programs]
-    for r, dep in enumerate(deps):
-        for i, d in enumerate(dep):
-            for j in d:
-                dependents[r][j].append(i)
-    inflight = {}
-    ready = deque((r, i) for r, w in enumerate(waiting) for i, n in enumerate(w) if n == 0)
-    done = 0
-    reductions = 0
+    df = schedule.dataflow
+    kind, rank, chunk, partner, dependents = df.kind, df.rank, df.chunk, df.partner, df.dependents
+    send, reduce = OP_KINDS.index(SEND), OP_KINDS.index(REDUCE)
+    waiting = [w + (k != send) for w, k in zip(df.waiting, kind)]   # a receive also waits for its send
+    inflight = [None] * len(kind)          # receive -> the value its send shipped
+    masks, combine = values.masks, values.combine
+
+    def describe(g):
+        return _describe(schedule, rank[g], g - df.starts[rank[g]])
+
+    ready = deque(g for g, w in enumerate(waiting) if not w)
+    pop, push = ready.popleft, ready.append
+    done = reductions = 0
     while ready:
-        r, i = ready.popleft()
+        g = pop()
         done += 1
-        kind, chunk, peer = programs[r][i]
-        if kind == SEND:
-            value = state[r][chunk]
+        row, c = state[rank[g]], chunk[g]
+        if kind[g] == send:
+            value = row[c]
             if value is None:
-                raise ScheduleError(f"{_describe(schedule, r, i)}: chunk {chunk} holds no data on rank {r} yet")
-            pr, pi = matches[r][i]
-            inflight[(pr, pi)] = value
-            waiting[pr][pi] -= 1
-            if waiting[pr][pi] == 0:
-                ready.append((pr, pi))
+                raise ScheduleError(f"{describe(g)}: chunk {c} holds no data on rank {rank[g]} yet")
+            h = partner[g]
+            inflight[h] = value
+            w = waiting[h] - 1
+            waiting[h] = w
+            if not w:
+                push(h)
         else:
-            incoming = inflight.pop((r, i))
-            if kind == REDUCE:
-                local = state[r][chunk]
+            incoming = inflight[g]
+            if kind[g] == reduce:
+                local = row[c]
                 if local is None:
-                    raise ScheduleError(f"{_describe(schedule, r, i)}: reduces into chunk {chunk}, "
-                                        f"which holds no data on rank {r}")
-                overlap = values.masks[local] & values.masks[incoming]
+                    raise ScheduleError(f"{describe(g)}: reduces into chunk {c}, which holds no data on "
+                                        f"rank {rank[g]}")
+                overlap = masks[local] & masks[incoming]
                 if overlap:
-                    raise ScheduleError(f"{_describe(schedule, r, i)}: contribution of rank(s) "
-                                        f"{_ranks(overlap)} to chunk {chunk} would be counted twice")
-                state[r][chunk] = values.combine(local, incoming)
+                    raise ScheduleError(f"{describe(g)}: contribution of rank(s) {_ranks(overlap)} to chunk "
+                                        f"{c} would be counted twice")
+                row[c] = combine(local, incoming)
                 reductions += 1
             else:
-                state[r][chunk] = incoming
-        for j in dependents[r][i]:
-            waiting[r][j] -= 1
-            if waiting[r][j] == 0:
-                ready.append((r, j))
-    if done < schedule.nops:
-        stuck = [_describe(schedule, r, next(i for i, x in enumerate(w) if x > 0))
-                 for r, w in enumerate(waiting) if any(w)]
-        raise ScheduleError(f"deadlock: {schedule.nops - done} operations wait in a cycle; first stuck: "
+                row[c] = incoming
+        for d in dependents[g]:
+            w = waiting[d] - 1
+            waiting[d] = w
+            if not w:
+                push(d)
+    if done < len(kind):
+        first_stuck = {}
+        for g, w in enumerate(waiting):
+            if w:
+                first_stuck.setdefault(rank[g], g)
+        stuck = [describe(g) for g in first_stuck.values()]
+        raise ScheduleError(f"deadlock: {len(kind) - done} operations wait in a cycle; first stuck: "
                             + "; ".join(stuck[:4]))
     return reductions
 

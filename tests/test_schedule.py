@@ -116,6 +116,39 @@ def test_vectorised_matching_agrees_with_the_op_by_op_one():
     assert _match(Schedule("allreduce", 2, (1,), ((), ()))) == ((), ())
 
 
+def test_dataflow_is_the_programs_dependencies_and_matches_as_one_sequence():
+    """The simulator and the verifier replay ``dataflow``, built with numpy; it must say exactly what
+    ``dependencies`` and ``matches`` say op by op (dependents in program order: the replay order)."""
+    from ddl.algorithms import halving_doubling_schedule, hierarchical_schedule, recursive_doubling_schedule
+    from ddl.schedule import OP_KINDS, _program_dependencies
+    order = [4, 0, 3, 1, 2, 6, 5]
+    prog = (Op("send", 0, 1), Op("send", 1, 1), Op("reduce", 0, 1), Op("send", 0, 1), Op("send", 0, 1),
+            Op("recv", 0, 1))
+    other = (Op("recv", 0, 0), Op("recv", 1, 0), Op("send", 0, 0), Op("recv", 0, 0), Op("recv", 0, 0),
+             Op("send", 0, 0))
+    schedules = [ring_allreduce(5, k=3), recursive_doubling_schedule(order, "allreduce", 2),
+                 halving_doubling_schedule(order, "reduce_scatter", 2), star_allreduce(4),
+                 hierarchical_schedule(order, [[order[:3], order[3:]]], "allgather", 2),
+                 hierarchical_schedule(order, [[order[:3], order[3:]]], "broadcast", 3, root=3),
+                 Schedule("allreduce", 2, (1, 1), (prog, other)), Schedule("allreduce", 3, (1,), ((), (), ()))]
+    for sched in schedules:
+        df = sched.dataflow
+        expected = {"kind": [], "rank": [], "chunk": [], "partner": [], "waiting": []}
+        dependents = [[] for _ in range(sched.nops)]
+        for r, prog in enumerate(sched.programs):
+            assert df.starts[r] == len(expected["kind"])
+            for i, (op, deps) in enumerate(zip(prog, _program_dependencies(prog))):
+                peer, j = sched.matches[r][i]
+                for column, value in zip(expected.values(), (OP_KINDS.index(op.kind), r, op.chunk,
+                                                               df.starts[peer] + j, len(deps))):
+                    column.append(value)
+                for d in deps:
+                    dependents[df.starts[r] + d].append(df.starts[r] + i)
+        assert df.starts[-1] == sched.nops
+        assert {column: getattr(df, column) for column in expected} == expected
+        assert df.dependents == dependents
+
+
 def test_unmatched_and_out_of_range_ops_are_named():
     sched = ring_allreduce(3)
     progs = [list(p) for p in sched.programs]
