@@ -23,7 +23,7 @@ import json
 import math
 import multiprocessing
 import os
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -214,7 +214,7 @@ class Planner:
             pass  # a read-only home must not stop training; the memory cache still works
 
 
-_FORKED = None     # (topo, schedules, nbytes, ceiling) that forked workers inherit instead of unpickling
+_FORKED = None     # (topo, schedules, nbytes, fastest so far, prune) that forked workers inherit
 
 
 def _predict(topo, schedules, nbytes, workers, prune=False):
@@ -225,9 +225,10 @@ def _predict(topo, schedules, nbytes, workers, prune=False):
     Simulated here, none is verified (the planner then proves only the schedule it picks). Simulated
     in ``workers`` forked processes, when that pays, the largest first so that the workers end
     together; the fastest time so far sits in shared memory, where running simulations read it as
-    their ceiling. Whenever a result is the fastest so far, proving that schedule goes ahead of the
-    simulations still waiting, so the winner is usually proved by the time the last simulation ends
-    instead of after it. Proofs of schedules that were overtaken are dropped if not yet started."""
+    their ceiling. A worker whose simulation ends at least as fast as every one before it publishes
+    its time there and proves that schedule at once, in the same process, where the dataflow the
+    simulation replayed is already built: so the winner is proved by the time the last simulation
+    ends, at the cost of proving, now and then, a leader that is overtaken later."""
     global _FORKED
     if (workers <= 1 or len(schedules) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
             or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
@@ -240,42 +241,25 @@ def _predict(topo, schedules, nbytes, workers, prune=False):
                 sims[name] = result
                 best = min(best, result.seconds)
         return sims, outpaced, set()
-    ceiling = multiprocessing.RawValue("d", math.inf) if prune else None
-    _FORKED = (topo, schedules, nbytes, ceiling)
-    nworkers = min(workers, len(schedules))
-    pool = ProcessPoolExecutor(nworkers, mp_context=multiprocessing.get_context("fork"))
+    _FORKED = (topo, schedules, nbytes, multiprocessing.Value("d", math.inf), prune)
+    pool = ProcessPoolExecutor(min(workers, len(schedules)), mp_context=multiprocessing.get_context("fork"))
     try:
-        waiting = sorted(schedules, key=lambda n: -schedules[n].nops)   # simulations not yet started
-        running = {}                   # future -> (job, name)
-        sims, outpaced, proofs, best, to_prove = {}, {}, {}, None, None
-        while len(sims) + len(outpaced) < len(schedules) or to_prove or best not in proofs:
-            while len(running) < nworkers and (to_prove or waiting):
-                if to_prove:
-                    running[pool.submit(_verify_forked, to_prove)] = ("prove", to_prove)
-                    to_prove = None
-                else:
-                    name = waiting.pop(0)
-                    running[pool.submit(_simulate_forked, name)] = ("simulate", name)
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                job, name = running.pop(future)
-                if job == "prove":
-                    proofs[name] = future
-                    continue
-                result = future.result()
-                if isinstance(result, Outpaced):
-                    outpaced[name] = result.at_least
-                    continue
+        largest_first = sorted(schedules, key=lambda n: -schedules[n].nops)
+        futures = {pool.submit(_simulate_forked, name): name for name in largest_first}
+        sims, outpaced, proved = {}, {}, set()
+        for future in as_completed(futures):
+            name = futures[future]
+            result, verified = future.result()    # a failed proof raises ScheduleError here
+            if isinstance(result, Outpaced):
+                outpaced[name] = result.at_least
+            else:
                 sims[name] = result
-                if best is None or result.seconds < sims[best].seconds:
-                    best, to_prove = name, name
-                    if ceiling is not None:
-                        ceiling.value = result.seconds
-        proofs[best].result()          # a failed proof raises ScheduleError here
-        return sims, outpaced, {best}
+                if verified:
+                    proved.add(name)
+        return sims, outpaced, proved
     finally:
         _FORKED = None
-        pool.shutdown(wait=False, cancel_futures=True)   # a proof of an overtaken leader is not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _simulated(topo, sched, nbytes, ceiling):
@@ -287,12 +271,16 @@ def _simulated(topo, sched, nbytes, ceiling):
 
 
 def _simulate_forked(name):
-    topo, schedules, nbytes, ceiling = _FORKED
-    return _simulated(topo, schedules[name], nbytes, None if ceiling is None else (lambda: ceiling.value))
-
-
-def _verify_forked(name):
-    return _verified(_FORKED[1][name])
+    """``(Simulation or Outpaced, proved)`` in a worker (see :func:`_predict`)."""
+    topo, schedules, nbytes, fastest, prune = _FORKED
+    result = _simulated(topo, schedules[name], nbytes, (lambda: fastest.value) if prune else None)
+    if isinstance(result, Outpaced):
+        return result, False
+    with fastest.get_lock():
+        leads = result.seconds <= fastest.value
+        if leads:
+            fastest.value = result.seconds
+    return result, leads and _verified(schedules[name])
 
 
 def _check_collective(collective):

@@ -83,7 +83,7 @@ def test_workers_prove_the_fastest_schedule(monkeypatch):
                  for name in ("ring", "halving-doubling", "hierarchical")}
     sims, outpaced, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
     assert set(sims) == set(schedules) and not outpaced
-    assert proved == {min(sims, key=lambda n: sims[n].seconds)}
+    assert min(sims, key=lambda n: sims[n].seconds) in proved <= set(sims)
 
 
 def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
