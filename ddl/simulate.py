@@ -23,7 +23,8 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
   events that fire, within a relative ``1e-9`` of each other are handled as one event (at the latest of
   their times), so a symmetric step of ``p`` flows costs one rate computation, not ``p``; and a rank
   pair whose next message leaves the instant its previous one drained keeps its rate (a pipeline's
-  back-to-back chunks cost no rate computation at all).
+  back-to-back chunks cost no rate computation at all), and flows on a path that shares no link with
+  any other active path split its narrowest link without one (a ring's hops, mostly).
 * **Latency.** A transfer's data *arrives* one path latency after its last byte leaves:
   ``arrival = drain end + latency``, the latency of a path being the sum of its links' latencies and,
   with several paths, the largest among those with a non-zero share. Bandwidth and latency thus
@@ -687,24 +688,39 @@ class _Run:
                 region = set()
                 for b in changed:
                     m = b_m[b]
-                    if m:
-                        l = bottleneck[b]
-                        if l >= 0 and len(link_bundles[l]) == 1 and _private_change(b, cap[l] / m, st):
-                            # Held back by a link it has to itself: its flows share that link's
-                            # capacity among more or fewer flows, nothing else changes.
-                            old, rate = b_rate[b], cap[l] / m
-                            if rate != old:
-                                b_v[b] += old * (now - b_t[b])
-                                b_t[b] = now
-                                b_rate[b] = rate
-                                delta = m * (rate - old)
-                                for l in bundle_links[b]:
-                                    link_load[l] += delta
-                        else:
-                            region.add(b)
-                    else:              # gone: whoever was held back on its links may speed up
+                    if not m:          # gone: whoever was held back on its links may speed up
                         for l in bundle_links[b]:
                             region.update(held[l])
+                        continue
+                    l = bottleneck[b]
+                    if not (l >= 0 and len(link_bundles[l]) == 1 and _private_change(b, cap[l] / m, st)):
+                        # Unless held back by a link it has to itself (its flows share that link's
+                        # capacity among more or fewer flows, nothing else changes), only a bundle
+                        # alone on every link of its path escapes the repair: its narrowest link holds it.
+                        l = -1
+                        for x in bundle_links[b]:
+                            if len(link_bundles[x]) != 1:
+                                l = -1
+                                break
+                            if l < 0 or cap[x] < cap[l]:
+                                l = x
+                        if l < 0:
+                            region.add(b)
+                            continue
+                        o = bottleneck[b]
+                        if l != o:
+                            if o >= 0:
+                                held[o].discard(b)
+                            held[l].add(b)
+                            bottleneck[b] = l
+                    old, rate = b_rate[b], cap[l] / m
+                    if rate != old:
+                        b_v[b] += old * (now - b_t[b])
+                        b_t[b] = now
+                        b_rate[b] = rate
+                        delta = m * (rate - old)
+                        for l in bundle_links[b]:
+                            link_load[l] += delta
                 repush |= changed
                 changed = set()
                 if region:
