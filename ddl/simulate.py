@@ -486,6 +486,26 @@ class _Run:
         size = (self.schedule.chunk_fractions[np.array(df.chunk, dtype=np.int64)] * self.nbytes).tolist() if n else []
         return n, df.kind, df.rank, size, df.partner, list(df.waiting), df.dependents
 
+    def _pairs(self, kind, rank, partner, size):
+        """The rank pairs that transfers join, numbered in the order of their first send, with numpy:
+        ``(pair of every op (-1 but for sends), route of every pair (as :meth:`_Fabric.route`), bytes
+        every pair carries, number of transfers)``. Routes are resolved in that order too, so the first
+        pair without one is the one named."""
+        nranks = self.schedule.nranks
+        sends = np.flatnonzero(np.array(kind) == _SEND)
+        ranks = np.array(rank)
+        keys, first, inverse = np.unique(ranks[sends] * nranks + ranks[np.array(partner)[sends]],
+                                         return_index=True, return_inverse=True)
+        by_first = np.argsort(first)
+        number = np.empty(len(keys), dtype=np.int64)
+        number[by_first] = np.arange(len(keys))
+        pair_of_send = number[inverse.ravel()]
+        send_pair = np.full(len(kind), -1, dtype=np.int64)
+        send_pair[sends] = pair_of_send
+        routes = [self.fabric.route(*divmod(int(key), nranks)) for key in keys[by_first]]
+        pair_bytes = np.bincount(pair_of_send, weights=np.array(size)[sends], minlength=len(keys))
+        return send_pair.tolist(), routes, pair_bytes.tolist(), len(sends)
+
     def run(self):
         with gc_paused():              # millions of small containers: the cyclic GC only costs time here
             return self._run()
@@ -496,28 +516,10 @@ class _Run:
         if n == 0:
             return Simulation(0.0)
 
-        # Route of every transfer (indexed by its send op), resolved up front.
-        route_of = {}
-        pair_bytes = {}
-        ntransfers = 0
-        send_route = [None] * n
-        send_pair = [None] * n         # send: index of its (source, destination) rank pair
-        pair_index = {}
-        for g in range(n):
-            if kind[g] == _SEND:
-                ntransfers += 1
-                key = (rank[g], rank[partner[g]])
-                r = route_of.get(key)
-                if r is None:
-                    r = route_of[key] = fabric.route(*key)
-                    pair_index[key] = len(pair_index)
-                send_route[g] = r
-                send_pair[g] = pair_index[key]
-                if size[g] > 0:
-                    pair_bytes[key] = pair_bytes.get(key, 0.0) + size[g]
+        send_pair, pair_route, pair_bytes, ntransfers = self._pairs(kind, rank, partner, size)
         nranks = schedule.nranks
         reduce_bw = [float(topo.reduce_bandwidth(r)) for r in range(nranks)]
-        link_total = _link_totals(fabric, pair_bytes, route_of)   # the result's, and the ceiling's start
+        link_total = _link_totals(fabric, pair_route, pair_bytes)   # the result's, and the ceiling's start
 
         # Operation state. Work items and events name an op g and what happens to it, packed in an int.
         DONE, LAND, READY = 0, 1, 2            # work items: 4 * g + action
@@ -536,8 +538,8 @@ class _Run:
         engine_idle = set()            # ranks whose engine is free while reductions may be waiting
         # Messages between one pair of ranks go one at a time (MPI's non-overtaking order over one
         # connection): ready sends wait in a heap per pair, earliest in the program first.
-        pair_busy = [False] * len(pair_index)
-        pair_wait = [[] for _ in range(len(pair_index))]
+        pair_busy = [False] * len(pair_route)
+        pair_wait = [[] for _ in range(len(pair_route))]
         pair_dirty = set()             # pairs that may start a send now
 
         # Bundles: all active flows on one path get the same rate (max-min fairness is symmetric), so
@@ -636,7 +638,7 @@ class _Run:
                     pair_busy[pair] = True
                     g = heappop(pair_wait[pair])
                     nbytes = size[g]
-                    bundles, shares, _lat = send_route[g]
+                    bundles, shares, _lat = pair_route[pair]
                     paths_left[g] = len(bundles)
                     for b, share in zip(bundles, shares):
                         if bundle_watch is not None:
@@ -789,7 +791,7 @@ class _Run:
                     pair = send_pair[g]
                     pair_busy[pair] = False
                     pair_dirty.add(pair)
-                    latency = send_route[g][2]
+                    latency = pair_route[pair][2]
                     if latency > 0:
                         batch = landing.get(latency)
                         if batch is None:
@@ -845,11 +847,11 @@ class _Run:
         return Simulation(float(seconds), link_bytes, util, busiest, ntransfers, events)
 
 
-def _link_totals(fabric, pair_bytes, route_of):
+def _link_totals(fabric, pair_route, pair_bytes):
     """Bytes every link of ``fabric`` carries in the whole run (numpy array by link index)."""
     total = np.zeros(len(fabric.keys))
-    for key, nbytes in pair_bytes.items():
-        bundles, shares, _ = route_of[key]
-        for b, share in zip(bundles, shares):
-            total[list(fabric.bundle_links[b])] += share * nbytes
+    for (bundles, shares, _), nbytes in zip(pair_route, pair_bytes):
+        if nbytes > 0:
+            for b, share in zip(bundles, shares):
+                total[list(fabric.bundle_links[b])] += share * nbytes
     return total
