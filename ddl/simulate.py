@@ -207,29 +207,15 @@ def _repair(region, st, now):
     whose rate changed.
     """
     rate, weight, links_of, link_bundles = st.rate, st.m, st.links, st.link_bundles
-    bottleneck, held, load, capacity = st.bottleneck, st.held, st.load, st.cap
-    b_v, b_t = st.v, st.t
+    held, load, capacity = st.held, st.load, st.cap
     changed = set()
     check = _CHECK
     while True:
         new, neck, members = _fill_region(region, links_of, weight, rate, load, capacity)
         for b, r in new.items():
-            old = rate[b]
-            if r != old:
-                b_v[b] += old * (now - b_t[b])
-                b_t[b] = now
-                rate[b] = r
-                delta = weight[b] * (r - old)
-                for l in links_of[b]:
-                    load[l] += delta
+            if st.set_rate(b, r, now):
                 changed.add(b)
-            l = neck[b]
-            o = bottleneck[b]
-            if l != o:
-                if o >= 0:
-                    held[o].discard(b)
-                held[l].add(b)
-                bottleneck[b] = l
+            st.hold(b, neck[b])
         failed = set()
         # (i) no bundle outside the region may be faster on a region bundle's bottleneck
         slowest = {}
@@ -457,6 +443,29 @@ class _State:
         self.link_bundles = [set() for _ in range(nl)]   # active bundles on each link
         self.held = [set() for _ in range(nl)]           # bundles whose bottleneck it is
         self.load = [0.0] * nl                 # bytes/s through each link
+
+    def set_rate(self, b, rate, now):
+        """Give bundle ``b``'s flows ``rate`` from ``now`` on; whether it changed."""
+        old = self.rate[b]
+        if rate == old:
+            return False
+        self.v[b] += old * (now - self.t[b])
+        self.t[b] = now
+        self.rate[b] = rate
+        delta = self.m[b] * (rate - old)
+        load = self.load
+        for l in self.links[b]:
+            load[l] += delta
+        return True
+
+    def hold(self, b, link):
+        """Make ``link`` bundle ``b``'s bottleneck."""
+        old = self.bottleneck[b]
+        if link != old:
+            if old >= 0:
+                self.held[old].discard(b)
+            self.held[link].add(b)
+            self.bottleneck[b] = link
 
 
 class _Run:
@@ -709,20 +718,8 @@ class _Run:
                         if l < 0:
                             region.add(b)
                             continue
-                        o = bottleneck[b]
-                        if l != o:
-                            if o >= 0:
-                                held[o].discard(b)
-                            held[l].add(b)
-                            bottleneck[b] = l
-                    old, rate = b_rate[b], cap[l] / m
-                    if rate != old:
-                        b_v[b] += old * (now - b_t[b])
-                        b_t[b] = now
-                        b_rate[b] = rate
-                        delta = m * (rate - old)
-                        for l in bundle_links[b]:
-                            link_load[l] += delta
+                        st.hold(b, l)
+                    st.set_rate(b, cap[l] / m, now)
                 repush |= changed
                 changed = set()
                 if region:
