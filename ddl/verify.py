@@ -13,10 +13,9 @@ records the reduction order. At the end:
 
 Execution follows the schedule's dataflow rules (see :mod:`ddl.schedule`) as a topological sort over
 the operations of all ranks (:attr:`Schedule.dataflow`), with an edge from every send to its matched
-receive. Operations left over
-when no more can run form a cycle of waits: the verifier names the first stuck operation of each rank.
-Values seen by a send are those the executor would send, whatever order ready operations run in,
-because conflicting operations on a chunk are always ordered by dependencies.
+receive. Operations left over when no more can run form a cycle of waits: the verifier names the first
+stuck operation of each rank. Values seen by a send are those the executor would send, whatever order
+ready operations run in, because conflicting operations on a chunk are always ordered by dependencies.
 """
 from collections import deque
 from dataclasses import dataclass
