@@ -346,10 +346,11 @@ class Dataflow:
     its dataflow (:mod:`ddl.simulate`, :mod:`ddl.verify`). Plain lists, which their loops read
     millions of times faster than numpy arrays. Op ``g`` is op ``g - starts[rank[g]]`` of its rank.
 
-    ``kind``: the op's index in :data:`OP_KINDS` (0 send, 1 recv, 2 reduce). ``partner``: the op it pairs with (:attr:`Schedule.matches`).
-    ``waiting``: how many ops of its rank it waits for, ``dependents``: the ops that wait for it, in
-    program order (the edges of :attr:`Schedule.dependencies`). Shared by every user of the schedule:
-    read, never modify.
+    ``kind``: the op's index in :data:`OP_KINDS` (0 send, 1 recv, 2 reduce). ``partner``: the op it
+    pairs with (:attr:`Schedule.matches`). ``waiting``: how many ops of its rank it waits for,
+    ``dependents``: the ops that wait for it, in program order (the edges of
+    :attr:`Schedule.dependencies`, computed here again with numpy; a test holds the two together).
+    Shared by every user of the schedule: read, never modify.
     """
 
     starts: list
@@ -370,8 +371,9 @@ def _dataflow(schedule):
         return Dataflow([0] * (schedule.nranks + 1), [], [], [], [], [], [])
     code, chunk, rank, partner, base = flat
     total = len(code)
-    order = np.argsort(rank * schedule.nchunks + chunk, kind="stable")   # by (rank, chunk), program order
-    key = (rank * schedule.nchunks + chunk)[order]
+    key = rank * schedule.nchunks + chunk
+    order = np.argsort(key, kind="stable")   # by (rank, chunk), program order
+    key = key[order]
     write = code[order] != 0
     pos = np.arange(total)
     first = np.ones(total, dtype=bool)

@@ -773,11 +773,11 @@ def _same_demands(a, b):
 
 
 def _with_routes(base, routes, algorithm=NAME, info=None):
-    """``base``'s programs with ``routes``; the derived structure (dependencies, matches) is shared,
-    being a function of the programs alone."""
+    """``base``'s programs with ``routes``; the derived structure (dependencies, matches, dataflow) is
+    shared, being a function of the programs alone."""
     sched = Schedule(base.collective, base.nranks, base.pattern, base.programs, root=base.root,
                      algorithm=algorithm, info=info or {}, routes=dict(routes))
-    for attr in ("dependencies", "matches", "chunk_fractions"):
+    for attr in ("dependencies", "matches", "dataflow", "chunk_fractions"):
         if attr in base.__dict__:
             sched.__dict__[attr] = base.__dict__[attr]
     return sched
