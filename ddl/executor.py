@@ -161,6 +161,28 @@ class CompiledPlan:
             else:
                 raise Error(f"unknown buffer layout {layout!r}")
         self.needs_work = layout == "reduce_scatter" and n > 1
+        # Spans: one op on consecutive chunks must find them side by side, so with spans every chunk
+        # starts at home (one copy per contiguous run before the first op) and a span lives at its
+        # first chunk's home; it holds data once all of its chunks do.
+        precopies = []
+        if schedule.spans:
+            for c in range(nchunks):
+                e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
+                if init[c] is None or init[c] == home[c]:
+                    continue
+                last = precopies[-1] if precopies else None
+                if e1 == e0:
+                    pass
+                elif last and (last[0], last[1] + last[4], last[2], last[3] + last[4]) == (*init[c], *home[c]):
+                    precopies[-1] = last[:4] + (last[4] + e1 - e0,)
+                else:
+                    precopies.append((*init[c], *home[c], e1 - e0))
+                init[c] = home[c]
+        self.precopies = precopies
+        members = [(c,) for c in range(nchunks)] + [tuple(schedule.members(c)) for c in range(nchunks, schedule.nids)]
+        for span in members[nchunks:]:
+            home.append(home[span[0]])
+            init.append(None)            # a span holds data where all its chunks do (below)
 
         program = schedule.programs[rank]
         deps = schedule.dependencies[rank]
@@ -175,8 +197,8 @@ class CompiledPlan:
             e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
             ln = e1 - e0
             hb, ho = home[c]
-            if written[c]:
-                sb, so = hb, ho
+            if all(written[m] or (init[m] is not None and init[m] == home[m]) for m in members[c]):
+                sb, so = hb, ho          # (with spans, every chunk holding data is at home)
             else:
                 if init[c] is None:
                     if kind == SEND or kind == REDUCE:
@@ -184,7 +206,8 @@ class CompiledPlan:
                     sb, so = hb, ho
                 else:
                     sb, so = init[c]
-            my_deps = [new_index[d] for d in deps[i]]  # deps are on the same chunk: never dropped
+            # a dependency dropped (an empty chunk) can only be one through a chunk of this span that is empty
+            my_deps = [new_index[d] for d in deps[i] if d in new_index]
             for d in my_deps:
                 dependents[d].append(k)
             nd = len(my_deps)
@@ -211,7 +234,8 @@ class CompiledPlan:
                     need = nd + 1  # +1: the arrival of the message
                 else:
                     need = nd
-                written[c] = True
+                for m in members[c]:
+                    written[m] = True
             # (code, peer, chunk, read buf, read e0, read e1, home buf, home e0, home e1, scratch e0, scratch e1,
             #  read b0, read b1, home b0, home b1, scratch b0, scratch b1)
             ops.append((code, peer, c, sb, so, so + ln, hb, ho, ho + ln, scr[0], scr[1],
@@ -233,7 +257,7 @@ class CompiledPlan:
                 copies.append((init[c][0], init[c][1], home[c][0], home[c][1], e1 - e0))
         self.copies = copies
         self.nops = len(ops)
-        self.max_chunk = nchunks
+        self.max_chunk = schedule.nids
         # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
         large = int(_env_float("DDL_LARGE_MESSAGE", 16 * 1024))
         self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
@@ -562,6 +586,8 @@ class Engine:
         tb = ex.tag_base
         irecv = self._irecv
         reqs, owners = self.reqs, self.owners
+        for sb, so, hb, ho, ln in plan.precopies:     # before any receive may land at home
+            bufs[hb][ho:ho + ln] = bufs[sb][so:so + ln]
         for k in plan.early:
             o = ops[k]
             reqs.append(irecv(views[k][0], o[1], tb + o[2]))

@@ -28,6 +28,14 @@ function of the schedule: the same on every rank and every run.
 **Matching** follows MPI's non-overtaking rule: the k-th send of chunk ``c`` from ``a`` to ``b`` pairs
 with the k-th receive of ``c`` at ``b`` from ``a``.
 
+**Spans** let one operation carry several chunks at once: one message instead of many, where an
+algorithm moves a run of consecutive chunks (halving-doubling's halves, a hierarchical stage's share)
+to one peer together. Span ``i`` of ``spans``, a pair ``(first, count)`` inside one block, has the
+chunk id ``nchunks + i`` and stands for chunks ``first .. first + count - 1``, which are consecutive in
+the buffer; an operation on it is the same operation on each of them, in one message. Dependencies
+are those of its member chunks (an operation waits for what any of its chunks waits for); matching
+pairs a span's send with a receive of the same span.
+
 ``routes`` optionally pins the physical paths a rank pair's traffic takes, with the share on each
 (the multi-commodity-flow planner uses it); pairs without an entry follow the topology's routes,
 split evenly.
@@ -47,7 +55,8 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 OP_KINDS = (SEND, RECV, REDUCE)
 _KIND_CODE = {kind: code for code, kind in enumerate(OP_KINDS)}   # Dataflow.kind
-FORMAT = "ddl.schedule/1"
+FORMAT = "ddl.schedule/2"          # 2: spans; a schedule of format 1 (no spans) still loads
+_READABLE = ("ddl.schedule/1", FORMAT)
 
 
 class Op(NamedTuple):
@@ -72,6 +81,7 @@ class Schedule:
     algorithm: str = ""
     info: dict = field(default_factory=dict, compare=False, hash=False)
     routes: dict = field(default_factory=dict, compare=False, hash=False)
+    spans: tuple = ()
 
     def __post_init__(self):
         if self.collective not in COLLECTIVES:
@@ -82,6 +92,13 @@ class Schedule:
             raise ScheduleError(f"chunk pattern must be positive integers, got {self.pattern!r}")
         if not 0 <= self.root < self.nranks:
             raise ScheduleError(f"root {self.root} is not a rank of {self.nranks}")
+        per_block = len(self.pattern)
+        for i, span in enumerate(self.spans):
+            first, count = span if len(span) == 2 else (None, None)
+            if (not isinstance(first, (int, np.integer)) or not isinstance(count, (int, np.integer)) or count < 2
+                    or first < 0 or first + count > self.nchunks or first // per_block != (first + count - 1) // per_block):
+                raise ScheduleError(f"span {i} {span!r} (chunk id {self.nchunks + i}) must be (first, count) with "
+                                    f"count >= 2 consecutive chunks inside one block of {per_block}")
 
     # ---- chunk geometry -------------------------------------------------------------------------
     @property
@@ -96,19 +113,33 @@ class Schedule:
     def nchunks(self):
         return self.nblocks * len(self.pattern)
 
+    @property
+    def nids(self):
+        """Chunk ids an operation may name: the chunks, then the spans."""
+        return self.nchunks + len(self.spans)
+
+    def members(self, chunk):
+        """The chunks that chunk id ``chunk`` stands for: itself, or a span's run of chunks."""
+        if chunk < self.nchunks:
+            return range(chunk, chunk + 1)
+        first, count = self.spans[chunk - self.nchunks]
+        return range(first, first + count)
+
     def block_of(self, chunk):
-        return chunk // len(self.pattern)
+        return self.members(chunk)[0] // len(self.pattern)
 
     def chunk_fraction(self, chunk):
-        """Fraction of the whole buffer that chunk ``chunk`` covers (for cost models)."""
-        return self.pattern[chunk % len(self.pattern)] / (sum(self.pattern) * self.nblocks)
+        """Fraction of the whole buffer that chunk id ``chunk`` covers (for cost models)."""
+        whole = sum(self.pattern) * self.nblocks
+        return sum(self.pattern[c % len(self.pattern)] for c in self.members(chunk)) / whole
 
     @cached_property
     def chunk_fractions(self):
-        return np.array([self.chunk_fraction(c) for c in range(self.nchunks)])
+        return np.array([self.chunk_fraction(c) for c in range(self.nids)])
 
     def chunk_ranges(self, count):
-        """Element ranges ``[start, stop)`` of every chunk for a buffer of ``count`` elements.
+        """Element ranges ``[start, stop)`` of every chunk id (chunks, then spans) for a buffer of
+        ``count`` elements.
 
         ``count`` is the whole buffer (for reduce-scatter the send buffer, for allgather the receive
         buffer) and must then be divisible by the number of ranks. Chunks may be empty when ``count``
@@ -122,6 +153,9 @@ class Schedule:
         inner = (block * cum) // cum[-1]  # exact integer arithmetic: no float rounding across ranks
         starts = (np.arange(self.nblocks, dtype=np.int64)[:, None] * block + inner[None, :-1]).ravel()
         stops = (np.arange(self.nblocks, dtype=np.int64)[:, None] * block + inner[None, 1:]).ravel()
+        if self.spans:
+            first, count = np.array(self.spans, dtype=np.int64).T
+            starts, stops = np.concatenate((starts, starts[first])), np.concatenate((stops, stops[first + count - 1]))
         return np.stack([starts, stops], axis=1)
 
     # ---- derived structure -----------------------------------------------------------------------
@@ -129,7 +163,8 @@ class Schedule:
     def dependencies(self):
         """For every rank, for every op, the indices of the earlier ops it must wait for."""
         with gc_paused():
-            return tuple(_program_dependencies(program) for program in self.programs)
+            return tuple(_program_dependencies(program, self.members if self.spans else None)
+                         for program in self.programs)
 
     @cached_property
     def matches(self):
@@ -164,12 +199,13 @@ class Schedule:
             "info": self.info,
             "routes": [{"src": s, "dst": d, "paths": [{"via": list(p), "share": w} for p, w in paths]}
                        for (s, d), paths in sorted(self.routes.items())],
+            "spans": [[int(first), int(count)] for first, count in self.spans],
             "programs": [[[op.kind, op.chunk, op.peer] for op in prog] for prog in self.programs],
         }
 
     @classmethod
     def from_dict(cls, data):
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in _READABLE:
             raise ScheduleError(f"not a ddl schedule (expected \"format\": \"{FORMAT}\")")
         try:
             programs = tuple(tuple(Op(str(k), int(c), int(p)) for k, c, p in prog) for prog in data["programs"])
@@ -178,7 +214,8 @@ class Schedule:
             return cls(collective=data["collective"], nranks=int(data["nranks"]),
                        pattern=tuple(int(w) for w in data["pattern"]), programs=programs,
                        root=int(data.get("root", 0)), algorithm=data.get("algorithm", ""),
-                       info=data.get("info", {}), routes=routes)
+                       info=data.get("info", {}), routes=routes,
+                       spans=tuple((int(f), int(c)) for f, c in data.get("spans", [])))
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleError(f"malformed schedule: {exc!r}") from None
 
@@ -204,7 +241,7 @@ class Schedule:
 
     def __repr__(self):
         return (f"Schedule({self.algorithm or '?'} {self.collective}, {self.nranks} ranks, "
-                f"{self.nchunks} chunks, {self.nops} ops)")
+                f"{self.nchunks} chunks{f' and {len(self.spans)} spans' if self.spans else ''}, {self.nops} ops)")
 
 
 class ScheduleBuilder:
@@ -219,6 +256,30 @@ class ScheduleBuilder:
         self.pattern = tuple(int(w) for w in pattern)
         self.programs = [[] for _ in range(nranks)]
         self.routes = {}
+        self.spans = {}                   # (first, count) -> its index in Schedule.spans
+        nblocks = nranks if collective in ("reduce_scatter", "allgather") else 1
+        self._nchunks = nblocks * len(self.pattern)
+
+    def runs(self, chunks, pieces=1, most=None):
+        """Chunk ids that carry ``chunks`` in few operations: every run of consecutive chunks inside one
+        block becomes a span (see the module docstring), or ``pieces`` spans of about equal length, each
+        of at most ``most`` chunks; a lone chunk stays itself. Algorithms that move many chunks to one
+        peer at once send these instead, one message each."""
+        ids, k = [], len(self.pattern)
+        chunks = sorted(chunks)
+        i = 0
+        while i < len(chunks):
+            j = i + 1
+            while j < len(chunks) and chunks[j] == chunks[j - 1] + 1 and chunks[j] % k:
+                j += 1
+            q = min(max(pieces, -(-(j - i) // (most or j - i))), j - i)
+            for a, z in ((i + (j - i) * x // q, i + (j - i) * (x + 1) // q) for x in range(q)):
+                if z - a == 1:
+                    ids.append(chunks[a])
+                else:
+                    ids.append(self._nchunks + self.spans.setdefault((chunks[a], z - a), len(self.spans)))
+            i = j
+        return ids
 
     def transfer(self, src, dst, chunk, reduce=False):
         self.programs[src].append(_new_op(Op, (SEND, chunk, dst)))
@@ -243,11 +304,14 @@ class ScheduleBuilder:
     def build(self, **info):
         return Schedule(self.collective, self.nranks, self.pattern,
                         tuple(tuple(p) for p in self.programs), root=self.root, algorithm=self.algorithm,
-                        info=info, routes=dict(self.routes))
+                        info=info, routes=dict(self.routes), spans=tuple(self.spans))
 
 
-def _program_dependencies(program):
-    """Dataflow dependencies of one rank's program (see the module docstring for the rule)."""
+def _program_dependencies(program, members=None):
+    """Dataflow dependencies of one rank's program (see the module docstring for the rule);
+    ``members`` maps a chunk id to its chunks where the schedule has spans."""
+    if members is not None:
+        return _span_dependencies(program, members)
     last_write = {}
     sends_since_write = {}
     deps = []
@@ -260,6 +324,24 @@ def _program_dependencies(program):
             earlier = sends_since_write.pop(chunk, [])
             deps.append(tuple(earlier) + ((w,) if w is not None else ()))
             last_write[chunk] = i
+    return tuple(deps)
+
+
+def _span_dependencies(program, members):
+    """:func:`_program_dependencies` with spans: an op waits for what any of its chunks waits for."""
+    last_write, sends_since_write, deps = {}, {}, []
+    for i, (kind, chunk, _peer) in enumerate(program):
+        mine = set()
+        for c in members(chunk):
+            w = last_write.get(c)
+            if w is not None:
+                mine.add(w)
+            if kind == SEND:
+                sends_since_write.setdefault(c, []).append(i)
+            else:
+                mine.update(sends_since_write.pop(c, ()))
+                last_write[c] = i
+        deps.append(tuple(sorted(mine)))
     return tuple(deps)
 
 
@@ -314,10 +396,10 @@ def _flat_ops(schedule):
     chunk, peer = np.array(chunks), np.array(peers)
     rank = np.repeat(np.arange(n), lengths)
     if not (chunk.dtype.kind in "iu" and peer.dtype.kind in "iu"
-            and ((peer >= 0) & (peer < n) & (peer != rank) & (chunk >= 0) & (chunk < schedule.nchunks)).all()):
+            and ((peer >= 0) & (peer < n) & (peer != rank) & (chunk >= 0) & (chunk < schedule.nids)).all()):
         return _flat_checked(schedule, base)
     send = code == 0
-    key = (np.where(send, rank, peer) * n + np.where(send, peer, rank)) * schedule.nchunks + chunk
+    key = (np.where(send, rank, peer) * n + np.where(send, peer, rank)) * schedule.nids + chunk
     sends, receives = np.flatnonzero(send), np.flatnonzero(~send)
     sends = sends[np.argsort(key[sends], kind="stable")]
     receives = receives[np.argsort(key[receives], kind="stable")]
@@ -371,32 +453,53 @@ def _dataflow(schedule):
         return Dataflow([0] * (schedule.nranks + 1), [], [], [], [], [], [])
     code, chunk, rank, partner, base = flat
     total = len(code)
-    key = rank * schedule.nchunks + chunk
+    op, member = _member_ops(schedule, chunk)
+    key = rank[op] * schedule.nchunks + member
     order = np.argsort(key, kind="stable")   # by (rank, chunk), program order
     key = key[order]
-    write = code[order] != 0
-    pos = np.arange(total)
-    first = np.ones(total, dtype=bool)
+    write = code[op[order]] != 0
+    order = op[order]                         # from here on, the op of every (op, member chunk) pair
+    m = len(key)
+    pos = np.arange(m)
+    first = np.ones(m, dtype=bool)
     first[1:] = key[1:] != key[:-1]
     group_start = np.maximum.accumulate(np.where(first, pos, 0))
-    group_end = np.empty(total, dtype=np.int64)   # one past the last op of the group
-    group_end[::-1] = np.minimum.accumulate(np.where(np.append(first[1:], True), pos + 1, total)[::-1])
-    prev_write = np.full(total, -1, dtype=np.int64)
+    group_end = np.empty(m, dtype=np.int64)   # one past the last op of the group
+    group_end[::-1] = np.minimum.accumulate(np.where(np.append(first[1:], True), pos + 1, m)[::-1])
+    prev_write = np.full(m, -1, dtype=np.int64)
     prev_write[1:] = np.maximum.accumulate(np.where(write, pos, -1))[:-1]
     prev_write[prev_write < group_start] = -1
-    next_write = np.full(total, total, dtype=np.int64)
-    next_write[:-1] = np.minimum.accumulate(np.where(write, pos, total)[::-1])[::-1][1:]
+    next_write = np.full(m, m, dtype=np.int64)
+    next_write[:-1] = np.minimum.accumulate(np.where(write, pos, m)[::-1])[::-1][1:]
     after = ~write & (next_write < group_end)      # a send, and a later write of its chunk waits for it
     src = np.concatenate((prev_write[prev_write >= 0], pos[after]))
     dst = np.concatenate((pos[prev_write >= 0], next_write[after]))
     src, dst = order[src], order[dst]
-    by_src = np.lexsort((dst, src))
-    src, dst = src[by_src], dst[by_src]
+    if schedule.spans:                         # two ops sharing several chunks: one edge
+        edge = np.unique(src * total + dst)
+        src, dst = edge // total, edge % total
+    else:
+        by_src = np.lexsort((dst, src))
+        src, dst = src[by_src], dst[by_src]
     bounds = np.concatenate(([0], np.cumsum(np.bincount(src, minlength=total)))).tolist()
     targets = dst.tolist()
     dependents = [targets[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     return Dataflow(base.tolist(), code.tolist(), rank.tolist(), chunk.tolist(), partner.tolist(),
                     np.bincount(dst, minlength=total).tolist(), dependents)
+
+
+def _member_ops(schedule, chunk):
+    """``(op, member)``: every op paired with each chunk its chunk id stands for, in op order (the
+    ops themselves where the schedule has no spans)."""
+    ops = np.arange(len(chunk))
+    if not schedule.spans:
+        return ops, chunk
+    spans = np.array(schedule.spans, dtype=np.int64)
+    first = np.concatenate((np.arange(schedule.nchunks), spans[:, 0]))[chunk]
+    count = np.concatenate((np.ones(schedule.nchunks, dtype=np.int64), spans[:, 1]))[chunk]
+    op = np.repeat(ops, count)
+    offset = np.arange(len(op)) - np.repeat(np.cumsum(count) - count, count)
+    return op, first[op] + offset
 
 
 def _match_checked(schedule):
@@ -409,8 +512,8 @@ def _match_checked(schedule):
                 raise ScheduleError(f"rank {rank} op {i}: unknown operation {kind!r}")
             if not 0 <= peer < n or peer == rank:
                 raise ScheduleError(f"rank {rank} op {i} ({kind} chunk {chunk}): peer {peer} is not another rank")
-            if not 0 <= chunk < schedule.nchunks:
-                raise ScheduleError(f"rank {rank} op {i}: chunk {chunk} out of range 0..{schedule.nchunks - 1}")
+            if not 0 <= chunk < schedule.nids:
+                raise ScheduleError(f"rank {rank} op {i}: chunk {chunk} out of range 0..{schedule.nids - 1}")
             key = (rank, peer, chunk) if kind == SEND else (peer, rank, chunk)
             side = 0 if kind == SEND else 1
             queues.setdefault(key, ([], []))[side].append((rank, i))

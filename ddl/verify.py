@@ -94,7 +94,11 @@ def _initial_state(schedule, values):
 def _describe(schedule, rank, index):
     kind, chunk, peer = schedule.programs[rank][index]
     direction = "to" if kind == SEND else "from"
-    return f"rank {rank} op {index} ({kind} chunk {chunk} {direction} rank {peer})"
+    what = f"chunk {chunk}"
+    if chunk >= schedule.nchunks:
+        span = schedule.members(chunk)
+        what = f"span {chunk} (chunks {span[0]}..{span[-1]})"
+    return f"rank {rank} op {index} ({kind} {what} {direction} rank {peer})"
 
 
 def _execute(schedule, state, values):
@@ -108,6 +112,8 @@ def _execute(schedule, state, values):
     def describe(g):
         return _describe(schedule, rank[g], g - df.starts[rank[g]])
 
+    nchunks = schedule.nchunks
+    members = [None] * nchunks + [schedule.members(c) for c in range(nchunks, schedule.nids)]
     ready = deque(g for g, w in enumerate(waiting) if not w)
     pop, push = ready.popleft, ready.append
     done = reductions = 0
@@ -115,31 +121,31 @@ def _execute(schedule, state, values):
         g = pop()
         done += 1
         row, c = state[rank[g]], chunk[g]
-        if kind[g] == send:
+        if c >= nchunks:                   # a span: the same on each of its chunks, in one message
+            if kind[g] == send:
+                inflight[partner[g]] = [_sent(row, m, describe, g) for m in members[c]]
+            else:
+                for m, incoming in zip(members[c], inflight[g]):
+                    reductions += _land(row, m, incoming, kind[g] == reduce, masks, combine, describe, g)
+        elif kind[g] == send:
             value = row[c]
             if value is None:
-                raise ScheduleError(f"{describe(g)}: chunk {c} holds no data on rank {rank[g]} yet")
+                _sent(row, c, describe, g)     # raises
+            inflight[partner[g]] = value
+        elif kind[g] == reduce:
+            local, incoming = row[c], inflight[g]
+            if local is None or masks[local] & masks[incoming]:
+                _land(row, c, incoming, True, masks, combine, describe, g)   # raises
+            row[c] = combine(local, incoming)
+            reductions += 1
+        else:
+            row[c] = inflight[g]
+        if kind[g] == send:
             h = partner[g]
-            inflight[h] = value
             w = waiting[h] - 1
             waiting[h] = w
             if not w:
                 push(h)
-        else:
-            incoming = inflight[g]
-            if kind[g] == reduce:
-                local = row[c]
-                if local is None:
-                    raise ScheduleError(f"{describe(g)}: reduces into chunk {c}, which holds no data on "
-                                        f"rank {rank[g]}")
-                overlap = masks[local] & masks[incoming]
-                if overlap:
-                    raise ScheduleError(f"{describe(g)}: contribution of rank(s) {_ranks(overlap)} to chunk "
-                                        f"{c} would be counted twice")
-                row[c] = combine(local, incoming)
-                reductions += 1
-            else:
-                row[c] = incoming
         for d in dependents[g]:
             w = waiting[d] - 1
             waiting[d] = w
@@ -154,6 +160,30 @@ def _execute(schedule, state, values):
         raise ScheduleError(f"deadlock: {len(kind) - done} operations wait in a cycle; first stuck: "
                             + "; ".join(stuck[:4]))
     return reductions
+
+
+def _sent(row, c, describe, g):
+    """The value a send of chunk ``c`` ships."""
+    value = row[c]
+    if value is None:
+        raise ScheduleError(f"{describe(g)}: chunk {c} holds no data on this rank yet")
+    return value
+
+
+def _land(row, c, incoming, reduce, masks, combine, describe, g):
+    """Store (or reduce) a received value of chunk ``c``; returns the number of reductions, 0 or 1."""
+    if not reduce:
+        row[c] = incoming
+        return 0
+    local = row[c]
+    if local is None:
+        raise ScheduleError(f"{describe(g)}: reduces into chunk {c}, which holds no data on this rank")
+    overlap = masks[local] & masks[incoming]
+    if overlap:
+        raise ScheduleError(f"{describe(g)}: contribution of rank(s) {_ranks(overlap)} to chunk {c} would be "
+                            f"counted twice")
+    row[c] = combine(local, incoming)
+    return 1
 
 
 def _ranks(mask):

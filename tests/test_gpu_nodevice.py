@@ -671,7 +671,7 @@ def _check_ranges(sched, lp, ranges, r, count, itemsize, layout):
     for t in lp.transfers:
         e0, e1 = ranges[t.chunk]
         assert t.nbytes == (e1 - e0) * itemsize > 0
-        init, home, _ = locs[t.chunk]
+        init, home, _ = locs[sched.members(t.chunk)[0]]      # a span lives where its first chunk does
         if t.kind == "send":
             assert (t.buf, t.offset) in {(init[0], init[1] * itemsize) if init else None, (home[0], home[1] * itemsize)}
         elif t.reduce:
@@ -853,14 +853,15 @@ def interpret(sched, values, ufunc):
             for i, (kind, c, peer) in enumerate(sched.programs[r]):
                 if done[r][i] or not all(done[r][d] for d in deps[r][i]):
                     continue
+                members = sched.members(c)          # a span: its chunks in one message
                 if kind == SEND:
-                    msgs[(r, i)] = values[r][c].copy()
+                    msgs[(r, i)] = [values[r][m].copy() for m in members]
                 else:
                     key = tuple(sched.matches[r][i])
                     if key not in msgs:
                         continue
-                    m = msgs.pop(key)
-                    values[r][c] = m if kind == RECV else ufunc(values[r][c], m)
+                    for m, piece in zip(members, msgs.pop(key)):
+                        values[r][m] = piece if kind == RECV else ufunc(values[r][m], piece)
                 done[r][i] = True
                 remaining -= 1
                 moved = True

@@ -68,8 +68,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from ..errors import PlanError
-from ..schedule import SEND, Schedule
+from ..errors import PlanError, ScheduleError
+from ..schedule import OP_KINDS, SEND, Schedule
 from .ring import check_request
 
 NAME = "multicommodity-flow"
@@ -487,68 +487,32 @@ def default_routes(topo, schedule, pairs):
 def _transfer_rounds(schedule):
     """``(round, src, dst, chunk)`` of every transfer, ``round`` being its earliest start in a
     synchronous execution of the dataflow (a transfer takes one round; see :mod:`ddl.schedule`)."""
-    programs = schedule.programs
-    n = sum(len(p) for p in programs)
-    is_send, rank_of, peer_of, chunk_of = [], [], [], []
-    for r, prog in enumerate(programs):
-        for kind, chunk, peer in prog:
-            is_send.append(kind == SEND)
-            chunk_of.append(chunk)
-            peer_of.append(peer)
-        rank_of.extend([r] * len(prog))
-    waiting = [0] * n
-    dependents = [[] for _ in range(n)]
-    sends = {}                    # (src, dst, chunk) -> send ops in program order (MPI matching)
-    g = 0
-    for r, prog in enumerate(programs):
-        last_write, since = {}, {}
-        for kind, chunk, peer in prog:
-            w = last_write.get(chunk)
-            if kind == SEND:      # the dataflow rules of ddl.schedule, inlined
-                if w is not None:
-                    dependents[w].append(g)
-                    waiting[g] += 1
-                since.setdefault(chunk, []).append(g)
-                sends.setdefault((r, peer, chunk), []).append(g)
-            else:
-                earlier = since.pop(chunk, [])
-                for j in earlier:
-                    dependents[j].append(g)
-                if w is not None:
-                    dependents[w].append(g)
-                waiting[g] += len(earlier) + (w is not None) + 1   # + the matching send
-                last_write[chunk] = g
-            g += 1
-    seen = {}
-    g = 0
-    for r, prog in enumerate(programs):
-        for kind, chunk, peer in prog:
-            if kind != SEND:
-                key = (peer, r, chunk)
-                k = seen.get(key, 0)
-                seen[key] = k + 1
-                try:
-                    dependents[sends[key][k]].append(g)
-                except (KeyError, IndexError):
-                    raise PlanError(f"{NAME}: rank {r} receives chunk {chunk} from rank {peer} more often "
-                                    f"than it is sent") from None
-            g += 1
-    ready_at = [0] * n       # round at which every dependency (and, for a receive, the data) is there
-    queue = deque(g for g in range(n) if waiting[g] == 0)
+    try:
+        df = schedule.dataflow
+    except ScheduleError as exc:
+        raise PlanError(f"{NAME}: the base schedule is not a valid schedule: {exc}") from None
+    kind, rank, chunk, partner, dependents = df.kind, df.rank, df.chunk, df.partner, df.dependents
+    send = OP_KINDS.index(SEND)
+    waiting = [w + (k != send) for w, k in zip(df.waiting, kind)]   # a receive also waits for its send
+    ready_at = [0] * len(kind)   # round at which every dependency (and, for a receive, the data) is there
+    queue = deque(g for g, w in enumerate(waiting) if not w)
     out = []
     while queue:
         g = queue.popleft()
         done = ready_at[g]
-        if is_send[g]:
-            out.append((done, rank_of[g], peer_of[g], chunk_of[g]))
+        followers = dependents[g]
+        if kind[g] == send:
+            h = partner[g]
+            out.append((done, rank[g], rank[h], chunk[g]))
             done += 1            # the data arrives one round later; the send completes then too
-        for h in dependents[g]:
+            followers = followers + [h]
+        for h in followers:
             if done > ready_at[h]:
                 ready_at[h] = done
             waiting[h] -= 1
             if not waiting[h]:
                 queue.append(h)
-    if len(out) != sum(is_send):
+    if len(out) != kind.count(send):
         raise PlanError(f"{NAME}: the base schedule deadlocks")
     return out
 
@@ -690,7 +654,7 @@ def multicommodity_flow(topo, collective, *, root=0, nbytes=None, bases=BASES):
     probe = best["base"]
     if nbytes:
         base = ALGORITHMS[best["name"]](topo, collective, root=root, nbytes=nbytes)
-        if base.programs == probe.programs and base.pattern == probe.pattern:
+        if (base.programs, base.pattern, base.spans) == (probe.programs, probe.pattern, probe.spans):
             base = probe
         elif base.routes != probe.routes or not _same_demands(pair_demands(base), best["demands"]):
             best = _evaluate(topo, best["name"], base, size)    # other traffic: route it afresh
@@ -776,7 +740,7 @@ def _with_routes(base, routes, algorithm=NAME, info=None):
     """``base``'s programs with ``routes``; the derived structure (dependencies, matches, dataflow) is
     shared, being a function of the programs alone."""
     sched = Schedule(base.collective, base.nranks, base.pattern, base.programs, root=base.root,
-                     algorithm=algorithm, info=info or {}, routes=dict(routes))
+                     algorithm=algorithm, info=info or {}, routes=dict(routes), spans=base.spans)
     for attr in ("dependencies", "matches", "dataflow", "chunk_fractions"):
         if attr in base.__dict__:
             sched.__dict__[attr] = base.__dict__[attr]

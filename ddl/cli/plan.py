@@ -88,6 +88,7 @@ def _record(topo, plan):
         "verified": plan.verified,
         "reason": plan.reason,
         "chunks": sched.nchunks,
+        "spans": len(sched.spans),
         "operations": sched.nops,
         "busiest_links": [{"link": f"{u}->{v}", "utilisation": util, "bytes": b} for (u, v), util, b in plan.busiest],
     }
@@ -112,7 +113,8 @@ def _explain(topo, plan):
         lines.append("note        below the latency bound: this schedule has ranks receive several messages"
                      " at once, which the bound's round model rules out and the simulator charges nothing"
                      " for")
-    lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks, {r['operations']} operations)")
+    spans = f", {r['spans']} spans" if r["spans"] else ""
+    lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks{spans}, {r['operations']} operations)")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio:.2f}x the chosen time)")

@@ -110,8 +110,8 @@ def _soft(program, deps, j):
     if program[j].kind != REDUCE:
         return None
     d = deps[j]
-    if len(d) == 1 and program[d[0]].kind == REDUCE:
-        return d[0]
+    if len(d) == 1 and program[d[0]].kind == REDUCE and program[d[0]].chunk == program[j].chunk:
+        return d[0]            # (a span and one of its chunks: not one chain, levels apart)
     return None
 
 
@@ -223,6 +223,19 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
     levels = transfer_levels(schedule)[rank]
 
     written = [False] * schedule.nchunks
+    copies = []
+    if schedule.spans:   # a span's chunks must lie side by side: every chunk starts at home (as on the host)
+        for c, (init, home, needed) in enumerate(locs):
+            e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
+            if init is not None and init != home:
+                if e1 > e0:
+                    copies.append((init[0], init[1] * itemsize, home[0], home[1] * itemsize, (e1 - e0) * itemsize))
+                locs[c] = (home, home, needed)
+    members = [(c,) for c in range(schedule.nchunks)] + [tuple(schedule.members(c))
+                                                          for c in range(schedule.nchunks, schedule.nids)]
+    for span in members[schedule.nchunks:]:
+        home = locs[span[0]][1]
+        locs.append((home if all(locs[m][0] is not None for m in span) else None, home, False))
     per_level = {}   # level -> dict(transfers=[], reds=[], open={chunk: reduction list index}, cursor)
 
     def state(lv):
@@ -237,7 +250,7 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
             continue
         nbytes = (e1 - e0) * itemsize
         init, home, _needed = locs[c]
-        cur = home if written[c] else init
+        cur = home if all(written[m] or locs[m][0] == locs[m][1] for m in members[c]) else init
         lv = levels[i]
         st = state(lv)
         if kind == SEND:
@@ -267,7 +280,8 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
                 st["reds"].append({"chunk": c, "count": e1 - e0, "out": (hbuf, hoff),
                                    "a0": (cur[0], cur[1] * itemsize), "inputs": [slot], "ops": [i]})
                 st["open"][c] = len(st["reds"]) - 1
-        written[c] = True
+        for m in members[c]:
+            written[m] = True
 
     steps = []
     for lv in sorted(per_level):
@@ -284,8 +298,7 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
                      for r in st["reds"])
         steps.append(Step(lv, tuple(out), reds, st["cursor"]))
 
-    copies = []
-    for c, (init, home, needed) in enumerate(locs):
+    for c, (init, home, needed) in enumerate(locs[:schedule.nchunks]):
         e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
         if needed and not written[c] and e1 > e0 and init is not None and init != home:
             copies.append((init[0], init[1] * itemsize, home[0], home[1] * itemsize, (e1 - e0) * itemsize))

@@ -264,6 +264,55 @@ def check_hierarchical_ramped_waves():
     c.Free()
 
 
+class SpanRings:
+    """A planner of ring schedules that send most of a block's pieces as one span (one message) and its
+    first piece alone, and gather whole blocks as spans: spans and chunks of one block mix, so the
+    executor must find chunks written one way and read the other in place."""
+
+    def schedule(self, collective, nbytes, algorithm=None, root=0):
+        from ddl.algorithms.ring import ring_allgather, ring_reduce_scatter
+        from ddl.schedule import ScheduleBuilder
+        k = 3
+        ranks = list(range(root, p)) + list(range(root))
+        per_block = k * (p if collective == "allreduce" else 1)
+        b = ScheduleBuilder(collective, p, (1,) * per_block, root=root, algorithm="span-rings")
+
+        def split(j):       # block j's pieces: the first alone, the rest one span
+            return [j * k] + b.runs(range(j * k + 1, (j + 1) * k))
+        if collective in ("allreduce", "reduce_scatter"):
+            ring_reduce_scatter(b, ranks, [split(j) for j in ranks])
+        if collective in ("allreduce", "allgather"):    # whole blocks
+            ring_allgather(b, ranks, [b.runs(range(j * k, (j + 1) * k)) for j in ranks])
+        if collective == "broadcast":
+            ring_allgather(b, ranks, [split(0)] + [[] for _ in ranks[1:]])
+        return b.build()
+
+
+def check_spans():
+    """Schedules with spans, in place and not, every collective: right and bitwise the same everywhere."""
+    if p < 2:
+        return
+    c = ddl.Communicator(WORLD, planner=SpanRings())
+    for count in (1, 3 * p, 30_001 * p):
+        for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
+            run(c, count, f"spans {coll} {count}")
+        a = inputs(r, np.dtype(np.float64), count, ddl.SUM)
+        c.Allreduce(ddl.IN_PLACE, a, op=ddl.SUM)
+        ref, tol = reference(np.dtype(np.float64), count, ddl.SUM)
+        chk.ok(close(a, ref, tol), f"spans allreduce in place {count}")
+        chk.same_everywhere(f"spans in place {count}", a)
+        g = np.full(count * p, -1, np.int32)
+        g[r * count:(r + 1) * count] = r
+        c.Allgather(ddl.IN_PLACE, g)
+        chk.ok(np.array_equal(g, np.repeat(np.arange(p, dtype=np.int32), count)), f"spans allgather in place {count}")
+        x = inputs(r, np.dtype(np.int64), count * p, ddl.SUM)
+        c.Reduce_scatter_block(ddl.IN_PLACE, x, op=ddl.SUM)
+        ref, _ = reference(np.dtype(np.int64), count, ddl.SUM, blocks=p)
+        chk.ok(np.array_equal(x[:count], ref[r * count:(r + 1) * count]), f"spans reduce-scatter in place {count}")
+    chk.ok(c.plan(4 * 3 * p).spans, "span-rings planned no spans")
+    c.Free()
+
+
 def check_ring_channels():
     """ring-channels on one box whose ranks are joined in a cycle of direct links (and a slow switch):
     the ring both ways round at least, every collective right and bitwise the same everywhere."""
@@ -443,6 +492,7 @@ if mode == "full" or p in (5, 8):
     check_algorithms()
     check_hierarchical_ramped_waves()
     check_ring_channels()
+    check_spans()
     check_tiered_exchange_lanes()
 waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")
 comm.Free()
