@@ -36,7 +36,7 @@ AUTO = "auto"
 PARALLEL_MIN_OPS = 100_000
 # Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
 # registered algorithms is part of the cache key anyway).
-PLANNER_REVISION = 8
+PLANNER_REVISION = 9
 
 
 @dataclass(frozen=True)

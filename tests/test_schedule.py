@@ -33,6 +33,18 @@ def star_allreduce(p):
     return b.build()
 
 
+def span_ring_allreduce(p, k):
+    """The ring of :func:`ring_allreduce` with each block's ``k`` pieces in one span (one message)."""
+    b = ScheduleBuilder("allreduce", p, (1,) * (p * k), algorithm="test-span-ring")
+    blocks = [b.runs(range(block * k, (block + 1) * k)) for block in range(p)]
+    for phase, reduce in ((1, True), (0, False)):
+        for t in range(p - 1):
+            for i in range(p):
+                for c in blocks[(i - t - phase) % p]:
+                    b.transfer(i, (i + 1) % p, c, reduce=reduce)
+    return b.build()
+
+
 def replace_programs(sched, programs):
     return dataclasses.replace(sched, programs=tuple(tuple(p) for p in programs))
 
@@ -131,13 +143,18 @@ def test_dataflow_is_the_programs_dependencies_and_matches_as_one_sequence():
                  hierarchical_schedule(order, [[order[:3], order[3:]]], "allgather", 2),
                  hierarchical_schedule(order, [[order[:3], order[3:]]], "broadcast", 3, root=3),
                  Schedule("allreduce", 2, (1, 1), (prog, other)), Schedule("allreduce", 3, (1,), ((), (), ()))]
+    schedules += [span_ring_allreduce(5, 3), halving_doubling_schedule(order, "allreduce", 2),
+                  hierarchical_schedule(range(12), [[(h, h + 1) for h in range(0, 12, 2)]], "allreduce", 2, waves=2)]
+    assert all(s.spans for s in schedules[-3:])
     for sched in schedules:
         df = sched.dataflow
         expected = {"kind": [], "rank": [], "chunk": [], "partner": [], "waiting": []}
         dependents = [[] for _ in range(sched.nops)]
         for r, prog in enumerate(sched.programs):
             assert df.starts[r] == len(expected["kind"])
-            for i, (op, deps) in enumerate(zip(prog, _program_dependencies(prog))):
+            if not sched.spans:
+                assert _program_dependencies(prog) == sched.dependencies[r]
+            for i, (op, deps) in enumerate(zip(prog, sched.dependencies[r])):
                 peer, j = sched.matches[r][i]
                 for column, value in zip(expected.values(), (OP_KINDS.index(op.kind), r, op.chunk,
                                                                df.starts[peer] + j, len(deps))):
@@ -257,6 +274,65 @@ def test_reduce_scatter_checks_only_the_owner():
         verify(b.build())
 
 
+# ---- spans ------------------------------------------------------------------------------------------
+def test_runs_make_one_span_per_run_inside_a_block():
+    b = ScheduleBuilder("reduce_scatter", 2, (1, 1, 1))          # blocks: chunks 0-2 and 3-5
+    assert b.runs([5, 0, 1, 2, 3]) == [6, 3, 5]                  # 0..2 is span 6 (3 starts block 1)
+    assert b.runs([3, 4, 5]) == [7] and b.runs([0, 1, 2]) == [6]    # the same run, the same span
+    assert b.runs([0, 1, 2], most=2) == [0, 8]                   # at most two chunks per span
+    assert b.runs([3, 4, 5], pieces=3) == [3, 4, 5]
+    sched = b.build()
+    assert sched.spans == ((0, 3), (3, 3), (1, 2)) and sched.nids == 9
+    assert list(sched.members(7)) == [3, 4, 5] and sched.block_of(7) == 1
+    assert np.allclose(sched.chunk_fractions, [1 / 6] * 6 + [1 / 2, 1 / 2, 1 / 3])
+    ranges = sched.chunk_ranges(12)
+    assert ranges[6:].tolist() == [[0, 6], [6, 12], [2, 6]]
+
+
+def test_invalid_spans_are_refused():
+    for spans in [((0, 1),), ((1, 2),), ((3, 2),), ((-1, 2),), ((1, 2, 3),), ((0, 2.0),)]:
+        with pytest.raises(ScheduleError, match="span 0"):
+            Schedule("reduce_scatter", 2, (1, 1), ((), ()), spans=spans)   # blocks: chunks 0-1 and 2-3
+    assert Schedule("reduce_scatter", 2, (1, 1), ((), ()), spans=((0, 2), (2, 2))).nids == 6
+
+
+def test_span_dependencies_are_those_of_its_chunks():
+    """A span waits for every op on any of its chunks that the rule says it must, and ops on one of
+    its chunks wait for it likewise."""
+    prog = (Op("reduce", 0, 1),       # 0: writes chunk 0
+            Op("send", 2, 1),         # 1: span (0, 1): waits for 0
+            Op("send", 1, 1),         # 2: chunk 1: nothing written yet
+            Op("recv", 1, 1),         # 3: writes chunk 1: waits for the sends of it, 1 and 2
+            Op("reduce", 2, 1))       # 4: span: waits for the last writes (0, 3) and the sends since (1)
+    sched = Schedule("allreduce", 2, (1, 1), (prog, ()), spans=((0, 2),))
+    assert sched.dependencies[0] == ((), (0,), (), (1, 2), (0, 1, 3))   # 4: chunk 0 after 0 and 1, chunk 1 after 3
+
+
+def test_span_schedules_verify_and_errors_name_the_span():
+    sched = span_ring_allreduce(4, 3)
+    assert len(sched.spans) == 4 and sched.nops == ring_allreduce(4, 3).nops // 3
+    assert verify(sched).reductions == verify(ring_allreduce(4, 3)).reductions   # each chunk reduced as before
+    again = Schedule.from_json(sched.to_json())
+    assert again == sched and again.spans == sched.spans
+    progs = [list(p) for p in sched.programs]
+    i = next(i for i, op in enumerate(progs[1]) if op.kind == "reduce")
+    progs[1][i] = Op("recv", progs[1][i].chunk, progs[1][i].peer)   # a reduction dropped: a contribution lost
+    ok, msg = check(replace_programs(sched, progs))
+    assert not ok and "lacks the contribution" in msg
+    b = ScheduleBuilder("allreduce", 2, (1, 1))
+    span = b.runs([0, 1])[0]
+    b.transfer(0, 1, span, reduce=True)
+    b.transfer(0, 1, 0, reduce=True)                 # chunk 0 of rank 0 counted twice on rank 1
+    with pytest.raises(ScheduleError, match="rank 1 op 1 .*counted twice"):
+        verify(b.build())
+    b = ScheduleBuilder("broadcast", 3, (1, 1), root=0)
+    b.transfer(0, 1, 0)
+    b.transfer(1, 2, b.runs([0, 1])[0])              # rank 1 forwards chunk 1 before it has it
+    b.transfer(0, 1, 1)
+    with pytest.raises(ScheduleError, match=r"span 2 \(chunks 0\.\.1\).*chunk 1 holds no data"):
+        verify(b.build())
+
+
 # ---- serialisation ------------------------------------------------------------------------------------
 def test_json_round_trip_is_lossless(tmp_path):
     b = ScheduleBuilder("broadcast", 3, (2, 1), root=2, algorithm="chain")
@@ -270,6 +346,8 @@ def test_json_round_trip_is_lossless(tmp_path):
     assert again == sched and again.routes == sched.routes and again.info == {"order": [2, 1, 0]}
     sched.save(tmp_path / "s.json")
     assert Schedule.load(tmp_path / "s.json").to_dict() == sched.to_dict()
+    older = {key: value for key, value in sched.to_dict().items() if key != "spans"}
+    assert Schedule.from_dict({**older, "format": "ddl.schedule/1"}) == sched     # before spans
 
 
 def test_bad_json_is_a_schedule_error():

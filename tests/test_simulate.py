@@ -234,7 +234,9 @@ def test_halving_doubling_closed_form(p):
     """With one chunk per rank the closed form is exact up to p = 4. From p = 8 a halving step hands
     on chunks that reached it one after the other (messages to one peer leave in order), so its first
     message starts while the step before is still sending and shares the links with it: 19% slower
-    at p = 8 and 16. Cutting every segment into four chunks (as the library pipelines) recovers it."""
+    at p = 8 and 16. Cutting every segment into four chunks (as the library pipelines) recovers it,
+    and more: each step sends the first pieces of all its segments first (one span each), so the next
+    step starts on them while the rest arrive, and the steps' latencies overlap in part."""
     B, lat, N = 10 * GB, 5 * US, 16e6
     expected = 2 * math.log2(p) * 2 * lat + 2 * (p - 1) / p * N / B
     topo, sched = star(p, B, lat), halving_doubling(p)
@@ -248,7 +250,7 @@ def test_halving_doubling_closed_form(p):
         from ddl.algorithms.halving_doubling import halving_doubling_schedule
         sched = halving_doubling_schedule(range(p), "allreduce", k=4)
         verify(sched)
-        assert expected * 0.98 <= simulate(topo, sched, N).seconds <= 1.03 * expected
+        assert 2 * (p - 1) / p * N / B < simulate(topo, sched, N).seconds <= 1.03 * expected
 
 
 @pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")

@@ -73,6 +73,10 @@ NAME = "hierarchical"
 WAVE_MIN_BYTES = 256 << 10
 # ... as long as the schedule keeps within this many operations (plan time grows with them).
 MAX_WAVE_OPS = 600_000
+# An allreduce ring member sends its share of a wave in this many spans per step: one message per
+# target would be millions at 1024 ranks, one per step would leave the receiver's reduction and the
+# next hop waiting for the whole share (1.32 of the bound on the 192-rank cluster instead of 1.106).
+SPAN_PIECES = 4
 # The ramp of the waves may be lifted by up to this much where its smallest waves would be too small.
 MAX_LIFT = 3
 # Variants (tiers left out, more waves under these caps) are simulated to choose among them ...
@@ -109,13 +113,14 @@ def ramp(k, lift=0):
     return tuple(min(j + 1, k - j) + lift for j in range(k))
 
 
-def wave_depth(nbytes, pieces, ops_per_chunk, most=MAX_PIPELINE):
+def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
     """``(k, lift)``: the most ramped waves per target (up to ``most``) whose schedule, of
-    ``ops_per_chunk`` operations per chunk, stays within MAX_WAVE_OPS and whose smallest chunk stays
-    >= WAVE_MIN_BYTES with the steepest ramp (lift 0 to MAX_LIFT) that allows it; ``(1, 0)`` if
-    none does. More waves overlap the tiers better even where the floor makes them ramp gentler."""
+    ``ops_per_wave`` operations per wave, stays within MAX_WAVE_OPS and whose smallest chunk (of
+    ``pieces`` per wave) stays >= WAVE_MIN_BYTES with the steepest ramp (lift 0 to MAX_LIFT) that
+    allows it; ``(1, 0)`` if none does. More waves overlap the tiers better even where the floor
+    makes them ramp gentler."""
     for k in range(most, 1, -1):
-        if pieces * k * ops_per_chunk > MAX_WAVE_OPS:
+        if k * ops_per_wave > MAX_WAVE_OPS:
             continue
         for lift in range(MAX_LIFT + 1):
             if (nbytes or 0) * (1 + lift) // (pieces * sum(ramp(k, lift))) >= WAVE_MIN_BYTES:
@@ -137,8 +142,10 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     holders, children = _holders(p, stages, pos)
     weights = ramp(k, lift) if ramped else (1,) * k
     if collective == "allreduce":
-        b = ScheduleBuilder(collective, p, weights * p, algorithm=algorithm)
-        targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
+        # chunk j of every target, targets in span order: what a stage's ring member holds is a run
+        b = ScheduleBuilder(collective, p, tuple(w for w in weights for _ in range(p)), algorithm=algorithm)
+        slot = {t: i for i, t in enumerate(_span_order(p, stages, holders, pos))}
+        targets = {t: [j * p + slot[t] for j in range(k)] for t in range(p)}
     elif collective == "broadcast":
         b = ScheduleBuilder(collective, p, weights, root=root, algorithm=algorithm)
         targets = {root: list(range(k))}
@@ -201,7 +208,19 @@ def _stage(b, s, holders, children, targets, pos, ring_op):
             members = tuple(sorted({holders[s - 1][Y][t] for Y in kids}, key=pos.get))
             rings.setdefault(members, {}).setdefault(holders[s][X][t], []).extend(chunks)
         for members, blocks in rings.items():
+            if b.collective == "allreduce":    # a few messages per run of chunks (see _span_order)
+                blocks = {r: b.runs(chunks, SPAN_PIECES) for r, chunks in blocks.items()}
             ring_op(b, list(members), [blocks.get(r, []) for r in members])
+
+
+def _span_order(p, stages, holders, pos):
+    """Targets ordered so that the targets a stage's ring member holds are consecutive, at every stage:
+    by the position of their holder in one group of every stage, lowest stage first (on a uniform
+    cluster: by rank within the host, then host within the rack, then rack). The allreduce numbers
+    its chunks in this order, so each ring step sends one span (:meth:`ScheduleBuilder.runs`) rather
+    than a chunk per target; on uneven groups, where no order serves every group, a few."""
+    reference = [holders[s][0] for s in range(1, len(stages) + 1)]
+    return sorted(range(p), key=lambda t: tuple(pos[row[t]] for row in reference) + (pos[t],))
 
 
 def hierarchical(topo, collective, *, root=0, nbytes=None):
@@ -223,11 +242,11 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
 
     if not waved:
         return build(parts, pipeline_depth(nbytes, pieces))
-    ops_per_chunk = (4 if collective == "allreduce" else 2) * (p - 1)
-    depths = sorted({wave_depth(nbytes, pieces, ops_per_chunk, most) for most in WAVE_CAPS})
     tier_sets = _tier_sets(p, parts)
+    ops_per_wave = max(_ops_per_wave(p, stage_partitions(p, tiers), collective) for tiers in tier_sets or [parts])
+    depths = sorted({wave_depth(nbytes, pieces, ops_per_wave, most) for most in WAVE_CAPS})
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
-            or pieces * depths[-1][0] * ops_per_chunk > CHOOSE_VARIANTS_OPS):
+            or depths[-1][0] * ops_per_wave > CHOOSE_VARIANTS_OPS):
         return build(parts, *depths[0])
     tried, kept = [], None
 
@@ -246,6 +265,21 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         consider(kept[1], k, lift)
     kept[2].info["variants_tried"] = tried
     return kept[2]
+
+
+def _ops_per_wave(p, stages, collective):
+    """Operations one wave adds to the schedule: a send and a receive per message. An allreduce ring
+    member sends its share in up to SPAN_PIECES spans per step (:func:`_span_order`), to each of the
+    other members of its ring, up and back down; other collectives send a chunk per target."""
+    if collective != "allreduce":
+        return 2 * (p - 1) * (1 if collective == "broadcast" else p)
+    total, below = 0, [(r,) for r in range(p)]
+    for groups in stages:
+        for group in groups:
+            kids = sum(1 for g in below if g[0] in group)
+            total += len(group) * (kids - 1) * min(SPAN_PIECES, -(-p // len(group)))
+        below = groups
+    return 4 * total
 
 
 def _tier_sets(p, parts):
