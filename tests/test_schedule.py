@@ -144,7 +144,8 @@ def test_dataflow_is_the_programs_dependencies_and_matches_as_one_sequence():
                  hierarchical_schedule(order, [[order[:3], order[3:]]], "broadcast", 3, root=3),
                  Schedule("allreduce", 2, (1, 1), (prog, other)), Schedule("allreduce", 3, (1,), ((), (), ()))]
     schedules += [span_ring_allreduce(5, 3), halving_doubling_schedule(order, "allreduce", 2),
-                  hierarchical_schedule(range(12), [[(h, h + 1) for h in range(0, 12, 2)]], "allreduce", 2, waves=2)]
+                  hierarchical_schedule(range(12), [[(h, h + 1) for h in range(0, 12, 2)]], "allreduce", 2, waves=2,
+                                        span_pieces=2)]
     assert all(s.spans for s in schedules[-3:])
     for sched in schedules:
         df = sched.dataflow

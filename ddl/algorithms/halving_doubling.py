@@ -28,16 +28,19 @@ while the later ones still arrive, as a pipeline of ``k`` waves through the step
 from itertools import groupby
 
 from ..schedule import ScheduleBuilder
-from .ring import check_request, pipeline_depth, rank_partitions, nested_order
+from .ring import MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions
 
 NAME = "halving-doubling"
 SUPPORTED = ("allreduce", "reduce_scatter", "allgather")
-# Allreduce sends the segments that travel together as spans of at most this many bytes: per chunk,
-# 1024 ranks make four million operations; in one message, the partner waits for half the buffer
-# before it passes any on. (At 256 MiB, against a message per chunk: 1.07 of the bound instead of
-# 1.20 on the 8:1 fat tree, 1.10 instead of 1.25 on the DGX A100 pair; 1.54 instead of 1.46 on the
-# 192-rank cluster. Caps of 4 and 16 MiB were each worse on some of the zoo.)
+# Allreduce sends the segments that travel together as spans of at most SPAN_BYTES where its segments
+# are cut into at least SPAN_MIN_WAVES pieces (waves), or where a message per chunk would exceed the
+# operation budget; otherwise a message per chunk. At 256 MiB: with waves, spans do better than a
+# message per chunk (1.000 of the bound instead of 1.11 on the 1:1 fat tree, 1.08 instead of 1.20 on
+# the DGX A100); without, worse (1.54 instead of 1.29 on the 192-rank cluster, k = 2; 1.49 instead of
+# 1.22 at 1024 ranks, which would take 4.2 million operations per chunk). Caps of 4 and 16 MiB were
+# each worse than 8 on some of the zoo.
 SPAN_BYTES = 8 << 20
+SPAN_MIN_WAVES = 4
 
 
 def halving_doubling_schedule(order, collective, k=1, algorithm=NAME, span_chunks=None, **info):
@@ -160,5 +163,6 @@ def halving_doubling(topo, collective, *, root=0, nbytes=None):
     order, _ = nested_order(p, rank_partitions(topo), topo.route_bandwidth)
     m = 1 << (p.bit_length() - 1)
     k = pipeline_depth(nbytes, m if collective == "allreduce" else p)
-    most = max(1, int(SPAN_BYTES * m * k // nbytes)) if nbytes else m
+    spans = k >= SPAN_MIN_WAVES or 4 * m * (m - 1) * k > MAX_SCHEDULE_OPS
+    most = max(1, int(SPAN_BYTES * m * k // nbytes)) if nbytes and spans else 1
     return halving_doubling_schedule(order, collective, k, span_chunks=most)

@@ -65,18 +65,21 @@ from itertools import combinations
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
 from ..simulate import simulate
-from .ring import (MAX_PIPELINE, check_request, nested_order, pipeline_depth, rank_partitions,
+from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
 WAVE_MIN_BYTES = 256 << 10
 # ... as long as the schedule keeps within this many operations (plan time grows with them).
-MAX_WAVE_OPS = 600_000
-# An allreduce ring member sends its share of a wave in this many spans per step: one message per
-# target would be millions at 1024 ranks, one per step would leave the receiver's reduction and the
-# next hop waiting for the whole share (1.32 of the bound on the 192-rank cluster instead of 1.106).
-SPAN_PIECES = 4
+MAX_WAVE_OPS = MAX_SCHEDULE_OPS
+# An allreduce ring member sends its share of a wave in spans: as many per step as the operation
+# budget (MAX_WAVE_OPS) allows of these, once the waves are chosen. A message per target is four
+# million operations at 1024 ranks; one per step leaves the receiver's reduction and the next stage
+# waiting for the whole share. At 256 MiB on three-tier clusters of 4 x 16 x R ranks (R = 3, 8, 16),
+# against a message per target: 16 spans predict 1.000, 1.002 and 1.011 times its time with 2.0, 2.9
+# and 3.4 times fewer operations; 4 spans 1.003, 1.040 and 1.074; one span 1.036 at R = 3.
+SPAN_PIECES = (16, 8, 4)
 # The ramp of the waves may be lifted by up to this much where its smallest waves would be too small.
 MAX_LIFT = 3
 # Variants (tiers left out, more waves under these caps) are simulated to choose among them ...
@@ -129,11 +132,12 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
-                          lift=0, **info):
+                          lift=0, span_pieces=SPAN_PIECES[0], **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
-    ``ramped``: chunk ``j`` of a target weighs ``ramp(k, lift)[j]`` instead of 1."""
+    ``ramped``: chunk ``j`` of a target weighs ``ramp(k, lift)[j]`` instead of 1. An allreduce's ring
+    members send their shares in up to ``span_pieces`` spans per step."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -157,11 +161,12 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
         wave = {t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()}
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
-                _stage(b, s, holders, children, wave, pos, ring_reduce_scatter)
+                _stage(b, s, holders, children, wave, pos, ring_reduce_scatter, span_pieces)
         if collective != "reduce_scatter":
             for s in range(len(stages), 0, -1):
-                _stage(b, s, holders, children, wave, pos, ring_allgather)
+                _stage(b, s, holders, children, wave, pos, ring_allgather, span_pieces)
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
+                   span_pieces=span_pieces if collective == "allreduce" else None,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -196,7 +201,7 @@ def _holders(p, stages, pos):
     return holders, children
 
 
-def _stage(b, s, holders, children, targets, pos, ring_op):
+def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
     """One stage's rings: in every stage-``s`` group, the sub-groups' holders of the same targets form
     a ring (in ring order); each target's chunks end on (reduce-scatter) or start from (allgather) the
     group's holder of that target."""
@@ -209,7 +214,7 @@ def _stage(b, s, holders, children, targets, pos, ring_op):
             rings.setdefault(members, {}).setdefault(holders[s][X][t], []).extend(chunks)
         for members, blocks in rings.items():
             if b.collective == "allreduce":    # a few messages per run of chunks (see _span_order)
-                blocks = {r: b.runs(chunks, SPAN_PIECES) for r, chunks in blocks.items()}
+                blocks = {r: b.runs(chunks, span_pieces) for r, chunks in blocks.items()}
             ring_op(b, list(members), [blocks.get(r, []) for r in members])
 
 
@@ -236,14 +241,19 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
                for t in topo.tiers if len(t.groups) < p}
 
     def build(tiers, k, lift=0):
-        bws = (tier_bw.get(groups) for groups in stage_partitions(p, tiers))
+        staged = stage_partitions(p, tiers)
+        bws = [tier_bw.get(groups) for groups in staged]
+        spans = next((q for q in SPAN_PIECES if k * _ops_per_wave(p, staged, collective, q) <= MAX_WAVE_OPS),
+                     SPAN_PIECES[-1])
         return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
-                                     lift=lift, stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
+                                     lift=lift, span_pieces=spans,
+                                     stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
 
     if not waved:
         return build(parts, pipeline_depth(nbytes, pieces))
     tier_sets = _tier_sets(p, parts)
-    ops_per_wave = max(_ops_per_wave(p, stage_partitions(p, tiers), collective) for tiers in tier_sets or [parts])
+    ops_per_wave = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
+                       for tiers in tier_sets or [parts])
     depths = sorted({wave_depth(nbytes, pieces, ops_per_wave, most) for most in WAVE_CAPS})
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
             or depths[-1][0] * ops_per_wave > CHOOSE_VARIANTS_OPS):
@@ -267,17 +277,17 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     return kept[2]
 
 
-def _ops_per_wave(p, stages, collective):
+def _ops_per_wave(p, stages, collective, span_pieces):
     """Operations one wave adds to the schedule: a send and a receive per message. An allreduce ring
-    member sends its share in up to SPAN_PIECES spans per step (:func:`_span_order`), to each of the
-    other members of its ring, up and back down; other collectives send a chunk per target."""
+    member sends its share in up to ``span_pieces`` spans per step (:func:`_span_order`), to each of
+    the other members of its ring, up and back down; other collectives send a chunk per target."""
     if collective != "allreduce":
         return 2 * (p - 1) * (1 if collective == "broadcast" else p)
     total, below = 0, [(r,) for r in range(p)]
     for groups in stages:
         for group in groups:
             kids = sum(1 for g in below if g[0] in group)
-            total += len(group) * (kids - 1) * min(SPAN_PIECES, -(-p // len(group)))
+            total += len(group) * (kids - 1) * min(span_pieces, -(-p // len(group)))
         below = groups
     return 4 * total
 

@@ -23,6 +23,7 @@ NAME = "ring"
 MIN_CHUNK_BYTES = 1 << 20
 MAX_PIPELINE = 8
 MAX_CHUNKS = 512         # cap on chunks in flight: pieces * k
+MAX_SCHEDULE_OPS = 600_000  # operations an algorithm's options may cost: plan time grows with them
 SEARCH_LIMIT = 16          # largest group whose order is searched for the widest Hamiltonian cycle
 SEARCH_BUDGET = 5000       # DFS nodes per bandwidth threshold before giving up on it
 
