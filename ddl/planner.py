@@ -30,6 +30,7 @@ from pathlib import Path
 from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule, gc_paused
 from .simulate import Outpaced, simulate
+from .verify import Abandoned, verify
 
 AUTO = "auto"
 # Candidates with fewer operations than this in all are simulated in this process: forking costs more.
@@ -168,7 +169,9 @@ class Planner:
             raise PlanError(f"no algorithm can plan {collective} on {self.topo.name}: {skipped}")
         chosen = algorithm if algorithm != AUTO else min(candidates, key=lambda n: candidates[n][1].seconds)
         sched, sim = candidates[chosen]
-        verified = chosen in proved or _verified(sched)
+        if isinstance(proved.get(chosen), ScheduleError):
+            raise proved[chosen]
+        verified = proved.get(chosen) is True or _verified(sched)
         bound = lower_bound(self.topo, collective, nbytes, root=root)
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
         reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
@@ -214,21 +217,28 @@ class Planner:
             pass  # a read-only home must not stop training; the memory cache still works
 
 
-_FORKED = None     # (topo, schedules, nbytes, fastest so far, prune) that forked workers inherit
+_FORKED = None     # what forked workers inherit (see _predict)
 
 
 def _predict(topo, schedules, nbytes, workers, prune=False):
-    """``({name: Simulation}, {name: at least seconds}, names verified)`` for ``schedules`` (name ->
-    Schedule): the simulations run to their end, those stopped because they could not win (only
-    with ``prune``), and the schedules already proved.
+    """``({name: Simulation}, {name: at least seconds}, {name: True or the ScheduleError})`` for
+    ``schedules`` (name -> Schedule): the simulations run to their end, those stopped because they
+    could not win (only with ``prune``), and the proofs already made.
 
-    Simulated here, none is verified (the planner then proves only the schedule it picks). Simulated
-    in ``workers`` forked processes, when that pays, the largest first so that the workers end
-    together; the fastest time so far sits in shared memory, where running simulations read it as
-    their ceiling. A worker whose simulation ends at least as fast as every one before it publishes
-    its time there and proves that schedule at once, in the same process, where the dataflow the
-    simulation replayed is already built: so the winner is proved by the time the last simulation
-    ends, at the cost of proving, now and then, a leader that is overtaken later."""
+    Simulated here, none is proved (the planner then proves only the schedule it picks). Simulated in
+    ``workers`` forked processes, when that pays, the largest first so that the workers end together;
+    the fastest time so far sits in shared memory, where running simulations read it as their
+    ceiling. The winner is proved by the time the last simulation ends, wherever a core is free:
+
+    * a worker whose simulation ends at least as fast as every one before it publishes its time there
+      and proves that schedule at once, in the same process, where the dataflow the simulation
+      replayed is already built;
+    * a worker with no simulation left to start proves the largest schedule still being simulated,
+      beside its simulation (at 1024 ranks the ring, whose simulation and proof are each tens of
+      seconds, would otherwise be proved after it).
+
+    A proof is abandoned as soon as its schedule can no longer win (outpaced, or overtaken), and is
+    made once: a worker leaves it to one that has started it."""
     global _FORKED
     if (workers <= 1 or len(schedules) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
             or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
@@ -240,26 +250,58 @@ def _predict(topo, schedules, nbytes, workers, prune=False):
             else:
                 sims[name] = result
                 best = min(best, result.seconds)
-        return sims, outpaced, set()
-    _FORKED = (topo, schedules, nbytes, multiprocessing.Value("d", math.inf), prune)
+        return sims, outpaced, {}
+    largest_first = sorted(schedules, key=lambda n: -schedules[n].nops)
+    _FORKED = _Shared(topo, schedules, nbytes, prune, largest_first)
     pool = ProcessPoolExecutor(min(workers, len(schedules)), mp_context=multiprocessing.get_context("fork"))
     try:
-        largest_first = sorted(schedules, key=lambda n: -schedules[n].nops)
-        futures = {pool.submit(_simulate_forked, name): name for name in largest_first}
-        sims, outpaced, proved = {}, {}, set()
-        for future in as_completed(futures):
-            name = futures[future]
-            result, verified = future.result()    # a failed proof raises ScheduleError here
+        simulations = {pool.submit(_simulate_forked, name): name for name in largest_first}
+        proofs = {pool.submit(_prove_forked, name): name for name in largest_first}
+        sims, outpaced, proved = {}, {}, {}
+        for future in as_completed([*simulations, *proofs]):
+            name = simulations.get(future) or proofs[future]
+            result, proof = future.result() if future in simulations else (None, future.result())
             if isinstance(result, Outpaced):
                 outpaced[name] = result.at_least
-            else:
+            elif result is not None:
                 sims[name] = result
-                if verified:
-                    proved.add(name)
+            if proof is not None:
+                proved[name] = proof
         return sims, outpaced, proved
     finally:
         _FORKED = None
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Shared:
+    """What the forked workers of one prediction share: the candidates, the fastest time so far and
+    which candidate set it, and per candidate whether it can no longer win and whether a worker has
+    taken its proof."""
+
+    def __init__(self, topo, schedules, nbytes, prune, names):
+        self.topo, self.schedules, self.nbytes, self.prune = topo, schedules, nbytes, prune
+        self.index = {name: i for i, name in enumerate(names)}
+        self.fastest = multiprocessing.Value("d", math.inf)
+        self.leader = multiprocessing.RawValue("i", -1)        # written under fastest's lock
+        self.lost = multiprocessing.RawArray("b", len(names))    # single bytes: no lock needed to read
+        self.taken = multiprocessing.Array("b", len(names))
+
+    def take(self, i):
+        """True for the one worker that takes candidate ``i``'s proof."""
+        with self.taken.get_lock():
+            first = not self.taken[i]
+            self.taken[i] = 1
+        return first
+
+    def prove(self, name):
+        """True, the ScheduleError, or None when abandoned (the candidate can no longer win)."""
+        i = self.index[name]
+        try:
+            return _verified(self.schedules[name], stop=lambda: self.lost[i])
+        except ScheduleError as exc:
+            return exc
+        except Abandoned:
+            return None
 
 
 def _simulated(topo, sched, nbytes, ceiling):
@@ -271,16 +313,34 @@ def _simulated(topo, sched, nbytes, ceiling):
 
 
 def _simulate_forked(name):
-    """``(Simulation or Outpaced, proved)`` in a worker (see :func:`_predict`)."""
-    topo, schedules, nbytes, fastest, prune = _FORKED
-    result = _simulated(topo, schedules[name], nbytes, (lambda: fastest.value) if prune else None)
+    """``(Simulation or Outpaced, proof or None)`` in a worker (see :func:`_predict`)."""
+    shared = _FORKED
+    i = shared.index[name]
+    ceiling = (lambda: shared.fastest.value) if shared.prune else None
+    result = _simulated(shared.topo, shared.schedules[name], shared.nbytes, ceiling)
     if isinstance(result, Outpaced):
-        return result, False
-    with fastest.get_lock():
-        leads = result.seconds <= fastest.value
+        shared.lost[i] = 1
+        return result, None
+    with shared.fastest.get_lock():
+        leads = result.seconds <= shared.fastest.value
         if leads:
-            fastest.value = result.seconds
-    return result, leads and _verified(schedules[name])
+            shared.fastest.value = result.seconds
+            if shared.leader.value >= 0:
+                shared.lost[shared.leader.value] = 1       # overtaken
+            shared.leader.value = i
+        else:
+            shared.lost[i] = 1
+    return result, shared.prove(name) if leads and shared.take(i) else None
+
+
+def _prove_forked(name):
+    """In a worker with no simulation left to start: the proof of ``name`` if it may still win and no
+    other worker has taken it, else None (see :func:`_predict`)."""
+    shared = _FORKED
+    i = shared.index[name]
+    if shared.lost[i] or not shared.take(i):
+        return None
+    return shared.prove(name)
 
 
 def _check_collective(collective):
@@ -288,11 +348,9 @@ def _check_collective(collective):
         raise PlanError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
 
 
-def _verified(sched):
+def _verified(sched, stop=None):
     """A planner bug (or a hand-edited cache file) must never reach an executor: prove it first."""
-    from .verify import verify
-
-    verify(sched)
+    verify(sched, stop)
     return True
 
 

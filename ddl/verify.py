@@ -35,12 +35,23 @@ class Verdict:
     reductions: int
 
 
-def verify(schedule):
-    """Prove ``schedule`` correct or raise :class:`ddl.ScheduleError` naming the first broken chunk."""
+class Abandoned(Exception):
+    """A proof stopped because its ``stop`` callable said so (see :func:`verify`)."""
+
+
+# A proof asks its ``stop`` callable once per this many operations.
+_STOP_EVERY = 1 << 16
+
+
+def verify(schedule, stop=None):
+    """Prove ``schedule`` correct or raise :class:`ddl.ScheduleError` naming the first broken chunk.
+
+    ``stop``: a callable asked every 65536 operations; when it returns true the proof is abandoned
+    with :class:`Abandoned` (a planner proving a schedule before it knows whether it will pick it)."""
     with gc_paused():                  # a value per reduction: millions of small tuples, no cycles
         values = _Values()
         state = _initial_state(schedule, values)
-        reductions = _execute(schedule, state, values)
+        reductions = _execute(schedule, state, values, stop)
         _check_final(schedule, state, values)
     return Verdict(schedule.collective, schedule.nranks, schedule.nchunks, schedule.nops, reductions)
 
@@ -101,7 +112,7 @@ def _describe(schedule, rank, index):
     return f"rank {rank} op {index} ({kind} {what} {direction} rank {peer})"
 
 
-def _execute(schedule, state, values):
+def _execute(schedule, state, values, stop=None):
     df = schedule.dataflow
     kind, rank, chunk, partner, dependents = df.kind, df.rank, df.chunk, df.partner, df.dependents
     send, reduce = OP_KINDS.index(SEND), OP_KINDS.index(REDUCE)
@@ -120,6 +131,8 @@ def _execute(schedule, state, values):
     while ready:
         g = pop()
         done += 1
+        if stop is not None and not done % _STOP_EVERY and stop():
+            raise Abandoned(f"proof of {schedule!r} abandoned after {done} operations")
         row, c = state[rank[g]], chunk[g]
         if c >= nchunks:                   # a span: the same on each of its chunks, in one message
             if kind[g] == send:

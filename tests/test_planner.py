@@ -83,7 +83,8 @@ def test_workers_prove_the_fastest_schedule(monkeypatch):
                  for name in ("ring", "halving-doubling", "hierarchical")}
     sims, outpaced, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
     assert set(sims) == set(schedules) and not outpaced
-    assert min(sims, key=lambda n: sims[n].seconds) in proved <= set(sims)
+    assert proved[min(sims, key=lambda n: sims[n].seconds)] is True
+    assert set(proved) <= set(sims) and all(p is True for p in proved.values())
 
 
 def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
@@ -95,8 +96,13 @@ def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
     half = Schedule(ring.collective, ring.nranks, ring.pattern,
                     tuple(prog[:len(prog) // 2] for prog in ring.programs), algorithm="half-ring")
     schedules = {"half-ring": half, "hierarchical": planner._build("hierarchical", "allreduce", 16 << 20, 0)}
+    _, _, proved = planner_module._predict(planner.topo, schedules, 16 << 20, 2)
+    assert isinstance(proved["half-ring"], ScheduleError) and "lacks the contribution" in str(proved["half-ring"])
+    build = Planner._build                # the plan that picks it raises
+    monkeypatch.setattr(Planner, "_build", lambda self, name, *a: half if name == "ring" else build(self, name, *a))
+    planner = Planner(planner.topo, use_disk_cache=False, workers=2)
     with pytest.raises(ScheduleError, match="lacks the contribution"):
-        planner_module._predict(planner.topo, schedules, 16 << 20, 2)
+        planner.plan("allreduce", 16 << 20)
 
 
 def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):

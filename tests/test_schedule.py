@@ -334,6 +334,16 @@ def test_span_schedules_verify_and_errors_name_the_span():
         verify(b.build())
 
 
+def test_a_proof_stops_when_asked():
+    from ddl.verify import Abandoned
+    sched = ring_allreduce(40, k=24)                  # 149760 operations: first asked after 65536
+    asked = []
+    with pytest.raises(Abandoned):
+        verify(sched, stop=lambda: asked.append(1) or True)
+    assert asked == [1]
+    assert verify(sched, stop=lambda: False).nops == sched.nops
+
+
 # ---- serialisation ------------------------------------------------------------------------------------
 def test_json_round_trip_is_lossless(tmp_path):
     b = ScheduleBuilder("broadcast", 3, (2, 1), root=2, algorithm="chain")
