@@ -42,7 +42,9 @@ Execution rules
   location is ``sendbuf`` and the home ``recvbuf``: sends before the first write read ``sendbuf``,
   the first reduction is ``ufunc(sendbuf_chunk, incoming, out=recvbuf_chunk)``, so no copy of
   ``sendbuf`` is ever made. Reduce-scatter keeps blocks other than its own in a cached workspace;
-  allgather reads its own block from ``sendbuf`` and copies it into ``recvbuf`` once.
+  allgather reads its own block from ``sendbuf`` and copies it into ``recvbuf`` once. A schedule
+  with spans (several chunks in one message) needs them side by side: there every chunk's input is
+  first copied to its home, one copy per contiguous run, before any message moves.
 
 Inline collectives: on one node (shared-memory agreement, ``check="always"``, ``algorithm="auto"``), a
 collective whose per-rank input is at most ``Communicator.inline_bytes`` (``min(128 KiB, 1 MiB / p)``)
@@ -171,11 +173,9 @@ class CompiledPlan:
                 if init[c] is None or init[c] == home[c]:
                     continue
                 last = precopies[-1] if precopies else None
-                if e1 == e0:
-                    pass
-                elif last and (last[0], last[1] + last[4], last[2], last[3] + last[4]) == (*init[c], *home[c]):
-                    precopies[-1] = last[:4] + (last[4] + e1 - e0,)
-                else:
+                if last and (last[0], last[1] + last[4], last[2], last[3] + last[4]) == (*init[c], *home[c]):
+                    precopies[-1] = last[:4] + (last[4] + e1 - e0,)      # the run goes on
+                elif e1 > e0:
                     precopies.append((*init[c], *home[c], e1 - e0))
                 init[c] = home[c]
         self.precopies = precopies

@@ -37,7 +37,7 @@ SUPPORTED = ("allreduce", "reduce_scatter", "allgather")
 # operation budget; otherwise a message per chunk. At 256 MiB: with waves, spans do better than a
 # message per chunk (1.000 of the bound instead of 1.11 on the 1:1 fat tree, 1.08 instead of 1.20 on
 # the DGX A100); without, worse (1.54 instead of 1.29 on the 192-rank cluster, k = 2; 1.49 instead of
-# 1.22 at 1024 ranks, which would take 4.2 million operations per chunk). Caps of 4 and 16 MiB were
+# 1.22 at 1024 ranks, where a message per chunk is 4.2 million operations). Caps of 4 and 16 MiB were
 # each worse than 8 on some of the zoo.
 SPAN_BYTES = 8 << 20
 SPAN_MIN_WAVES = 4
