@@ -44,7 +44,8 @@ Execution rules
   ``sendbuf`` is ever made. Reduce-scatter keeps blocks other than its own in a cached workspace;
   allgather reads its own block from ``sendbuf`` and copies it into ``recvbuf`` once. A schedule
   with spans (several chunks in one message) needs them side by side: there every chunk's input is
-  first copied to its home, one copy per contiguous run, before any message moves.
+  first copied to its home, one copy per contiguous run, before any message moves. These rules are
+  :mod:`ddl.buffer_layout`'s, shared with the GPU launch plan.
 
 Inline collectives: on one node (shared-memory agreement, ``check="always"``, ``algorithm="auto"``), a
 collective whose per-rank input is at most ``Communicator.inline_bytes`` (``min(128 KiB, 1 MiB / p)``)
@@ -77,8 +78,9 @@ import weakref
 
 import numpy as np
 
+from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk_locations, read_location
 from .errors import Error, StallError
-from .schedule import RECV, REDUCE, SEND
+from .schedule import RECV, SEND
 
 # compiled op codes
 C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
@@ -132,57 +134,14 @@ class CompiledPlan:
         if early_limit is None:
             early_limit = int(_env_float("DDL_EARLY_LIMIT", 256 * 1024))
         n = schedule.nranks
-        ranges = schedule.chunk_ranges(count)
-        block = count // schedule.nblocks
         nchunks = schedule.nchunks
-
-        # initial location and home of every chunk (element offsets)
-        init = [None] * nchunks
-        home = [None] * nchunks
-        needed = [False] * nchunks
-        for c in range(nchunks):
-            s = int(ranges[c, 0])
-            b = schedule.block_of(c)
-            if layout == "allreduce":
-                init[c], home[c], needed[c] = (B_SEND, s), (B_RECV, s), True
-            elif layout == "allreduce_inplace" or layout == "broadcast" or layout == "allgather_inplace":
-                init[c], home[c], needed[c] = (B_RECV, s), (B_RECV, s), True
-                if layout == "broadcast" and rank != schedule.root:
-                    init[c] = None
-                if layout == "allgather_inplace" and b != rank:
-                    init[c] = None
-            elif layout == "reduce_scatter":
-                init[c] = (B_SEND, s)
-                home[c] = (B_RECV, s - rank * block) if b == rank else (B_WORK, s)
-                needed[c] = b == rank
-            elif layout == "reduce_scatter_inplace":
-                init[c], home[c], needed[c] = (B_RECV, s), (B_RECV, s), b == rank
-            elif layout == "allgather":
-                init[c] = (B_SEND, s - rank * block) if b == rank else None
-                home[c], needed[c] = (B_RECV, s), True
-            else:
-                raise Error(f"unknown buffer layout {layout!r}")
+        # initial location and home of every chunk id (ddl.buffer_layout), with our buffer numbers
+        ranges, locs, precopies = chunk_locations(schedule, rank, count, layout)
+        buffer_id = {SEND_BUFFER: B_SEND, RECV_BUFFER: B_RECV, WORK: B_WORK}
+        locs = [tuple(None if at is None else (buffer_id[at[0]], at[1]) for at in loc[:2]) + loc[2:] for loc in locs]
+        init, home, needed = zip(*locs)
         self.needs_work = layout == "reduce_scatter" and n > 1
-        # Spans: one op on consecutive chunks must find them side by side, so with spans every chunk
-        # starts at home (one copy per contiguous run before the first op) and a span lives at its
-        # first chunk's home; it holds data once all of its chunks do.
-        precopies = []
-        if schedule.spans:
-            for c in range(nchunks):
-                e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
-                if init[c] is None or init[c] == home[c]:
-                    continue
-                last = precopies[-1] if precopies else None
-                if last and (last[0], last[1] + last[4], last[2], last[3] + last[4]) == (*init[c], *home[c]):
-                    precopies[-1] = last[:4] + (last[4] + e1 - e0,)      # the run goes on
-                elif e1 > e0:
-                    precopies.append((*init[c], *home[c], e1 - e0))
-                init[c] = home[c]
-        self.precopies = precopies
-        members = [(c,) for c in range(nchunks)] + [tuple(schedule.members(c)) for c in range(nchunks, schedule.nids)]
-        for span in members[nchunks:]:
-            home.append(home[span[0]])
-            init.append(None)            # a span holds data where all its chunks do (below)
+        self.precopies = [(buffer_id[sb], so, buffer_id[db], do, ln) for sb, so, db, do, ln in precopies]
 
         program = schedule.programs[rank]
         deps = schedule.dependencies[rank]
@@ -197,15 +156,10 @@ class CompiledPlan:
             e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
             ln = e1 - e0
             hb, ho = home[c]
-            if all(written[m] or (init[m] is not None and init[m] == home[m]) for m in members[c]):
-                sb, so = hb, ho          # (with spans, every chunk holding data is at home)
-            else:
-                if init[c] is None:
-                    if kind == SEND or kind == REDUCE:
-                        raise Error(f"schedule {schedule!r}: rank {rank} op {i} uses chunk {c} before it holds data")
-                    sb, so = hb, ho
-                else:
-                    sb, so = init[c]
+            current = read_location(schedule, locs, written, c)
+            if current is None and kind != RECV:
+                raise Error(f"schedule {schedule!r}: rank {rank} op {i} uses chunk {c} before it holds data")
+            sb, so = current or home[c]
             # a dependency dropped (an empty chunk) can only be one through a chunk of this span that is empty
             my_deps = [new_index[d] for d in deps[i] if d in new_index]
             for d in my_deps:
@@ -234,7 +188,7 @@ class CompiledPlan:
                     need = nd + 1  # +1: the arrival of the message
                 else:
                     need = nd
-                for m in members[c]:
+                for m in schedule.members(c):
                     written[m] = True
             # (code, peer, chunk, read buf, read e0, read e1, home buf, home e0, home e1, scratch e0, scratch e1,
             #  read b0, read b1, home b0, home b1, scratch b0, scratch b1)

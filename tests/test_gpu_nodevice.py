@@ -665,7 +665,7 @@ def _check_matching(sched, lps):
 
 
 def _check_ranges(sched, lp, ranges, r, count, itemsize, layout):
-    _, locs = chunk_locations(sched, r, count, layout)
+    _, locs, _ = chunk_locations(sched, r, count, layout)
     seen = set()
     prog = sched.programs[r]
     for t in lp.transfers:

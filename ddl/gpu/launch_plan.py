@@ -28,16 +28,16 @@ chains too: the kernel rounds after each operation), which is exactly what the h
 results are bitwise identical.
 
 Buffers: ``send``, ``recv`` (the user's), ``work`` (reduce-scatter's blocks of other ranks) and
-``scratch``; offsets are bytes. The layouts are those of :mod:`ddl.executor`.
+``scratch``; offsets are bytes. Chunks are placed in them by :mod:`ddl.buffer_layout`, as on the host.
 """
 from dataclasses import dataclass
 
+from ..buffer_layout import LAYOUTS, RECV as RECV_BUF, SEND as SEND_BUF, WORK as WORK_BUF  # noqa: F401 (names)
+from ..buffer_layout import chunk_locations, read_location
 from ..errors import Error, ScheduleError
 from ..schedule import RECV, REDUCE, SEND
 
-SEND_BUF, RECV_BUF, WORK_BUF, SCRATCH_BUF = "send", "recv", "work", "scratch"
-LAYOUTS = ("allreduce", "allreduce_inplace", "reduce_scatter", "reduce_scatter_inplace", "allgather",
-           "allgather_inplace", "broadcast")
+SCRATCH_BUF = "scratch"
 ALIGN = 16  # scratch slots keep the alignment (mod 16) of the chunk they are reduced into
 
 
@@ -167,39 +167,6 @@ def transfer_levels(schedule):
     return out
 
 
-# ---- buffer layouts ------------------------------------------------------------------------------
-def chunk_locations(schedule, rank, count, layout):
-    """Per chunk: (initial location or None, home, needed) as (buffer, element offset) pairs, exactly as
-    the host executor's layouts (see :mod:`ddl.executor`)."""
-    if layout not in LAYOUTS:
-        raise Error(f"unknown buffer layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-    ranges = schedule.chunk_ranges(count)
-    block = count // schedule.nblocks
-    locs = []
-    for c in range(schedule.nchunks):
-        s = int(ranges[c, 0])
-        b = schedule.block_of(c)
-        if layout == "allreduce":
-            init, home, needed = (SEND_BUF, s), (RECV_BUF, s), True
-        elif layout in ("allreduce_inplace", "broadcast", "allgather_inplace"):
-            init, home, needed = (RECV_BUF, s), (RECV_BUF, s), True
-            if layout == "broadcast" and rank != schedule.root:
-                init = None
-            if layout == "allgather_inplace" and b != rank:
-                init = None
-        elif layout == "reduce_scatter":
-            init = (SEND_BUF, s)
-            home = (RECV_BUF, s - rank * block) if b == rank else (WORK_BUF, s)
-            needed = b == rank
-        elif layout == "reduce_scatter_inplace":
-            init, home, needed = (RECV_BUF, s), (RECV_BUF, s), b == rank
-        else:  # allgather
-            init = (SEND_BUF, s - rank * block) if b == rank else None
-            home, needed = (RECV_BUF, s), True
-        locs.append((init, home, needed))
-    return ranges, locs
-
-
 def _slot(cursor, out_offset):
     """Next scratch offset >= cursor congruent to out_offset mod ALIGN (keeps the vector path)."""
     base = -(-cursor // ALIGN) * ALIGN
@@ -216,26 +183,14 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
     if not 0 <= rank < schedule.nranks:
         raise Error(f"rank {rank} is not a rank of {schedule!r}")
     itemsize = int(itemsize)
-    ranges, locs = chunk_locations(schedule, rank, count, layout)
+    ranges, locs, precopies = chunk_locations(schedule, rank, count, layout)
     program = schedule.programs[rank]
     deps = schedule.dependencies[rank]
     matches = schedule.matches[rank]
     levels = transfer_levels(schedule)[rank]
 
     written = [False] * schedule.nchunks
-    copies = []
-    if schedule.spans:   # a span's chunks must lie side by side: every chunk starts at home (as on the host)
-        for c, (init, home, needed) in enumerate(locs):
-            e0, e1 = int(ranges[c, 0]), int(ranges[c, 1])
-            if init is not None and init != home:
-                if e1 > e0:
-                    copies.append((init[0], init[1] * itemsize, home[0], home[1] * itemsize, (e1 - e0) * itemsize))
-                locs[c] = (home, home, needed)
-    members = [(c,) for c in range(schedule.nchunks)] + [tuple(schedule.members(c))
-                                                          for c in range(schedule.nchunks, schedule.nids)]
-    for span in members[schedule.nchunks:]:
-        home = locs[span[0]][1]
-        locs.append((home if all(locs[m][0] is not None for m in span) else None, home, False))
+    copies = [(sb, so * itemsize, db, do * itemsize, n * itemsize) for sb, so, db, do, n in precopies]
     per_level = {}   # level -> dict(transfers=[], reds=[], open={chunk: reduction list index}, cursor)
 
     def state(lv):
@@ -249,8 +204,8 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
         if e1 <= e0:
             continue
         nbytes = (e1 - e0) * itemsize
-        init, home, _needed = locs[c]
-        cur = home if all(written[m] or locs[m][0] == locs[m][1] for m in members[c]) else init
+        home = locs[c][1]
+        cur = read_location(schedule, locs, written, c)
         lv = levels[i]
         st = state(lv)
         if kind == SEND:
@@ -280,7 +235,7 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
                 st["reds"].append({"chunk": c, "count": e1 - e0, "out": (hbuf, hoff),
                                    "a0": (cur[0], cur[1] * itemsize), "inputs": [slot], "ops": [i]})
                 st["open"][c] = len(st["reds"]) - 1
-        for m in members[c]:
+        for m in schedule.members(c):
             written[m] = True
 
     steps = []
