@@ -137,7 +137,8 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
     ``ramped``: chunk ``j`` of a target weighs ``ramp(k, lift)[j]`` instead of 1. An allreduce's ring
-    members send their shares in up to ``span_pieces`` spans per step."""
+    members send their shares in up to ``span_pieces`` spans per step (other collectives: a message
+    per chunk, since their chunks of one target are its pipeline)."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -157,16 +158,17 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
         b = ScheduleBuilder(collective, p, weights, algorithm=algorithm)
         targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
     waves = max(1, min(int(waves), k))
+    spans = span_pieces if collective == "allreduce" else None
     for w in range(waves):
         wave = {t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()}
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
-                _stage(b, s, holders, children, wave, pos, ring_reduce_scatter, span_pieces)
+                _stage(b, s, holders, children, wave, pos, ring_reduce_scatter, spans)
         if collective != "reduce_scatter":
             for s in range(len(stages), 0, -1):
-                _stage(b, s, holders, children, wave, pos, ring_allgather, span_pieces)
+                _stage(b, s, holders, children, wave, pos, ring_allgather, spans)
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
-                   span_pieces=span_pieces if collective == "allreduce" else None,
+                   span_pieces=spans,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -204,7 +206,7 @@ def _holders(p, stages, pos):
 def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
     """One stage's rings: in every stage-``s`` group, the sub-groups' holders of the same targets form
     a ring (in ring order); each target's chunks end on (reduce-scatter) or start from (allgather) the
-    group's holder of that target."""
+    group's holder of that target; with ``span_pieces``, each member's chunks go as up to that many spans."""
     for X, kids in enumerate(children[s]):
         if len(kids) < 2:
             continue
@@ -213,7 +215,7 @@ def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
             members = tuple(sorted({holders[s - 1][Y][t] for Y in kids}, key=pos.get))
             rings.setdefault(members, {}).setdefault(holders[s][X][t], []).extend(chunks)
         for members, blocks in rings.items():
-            if b.collective == "allreduce":    # a few messages per run of chunks (see _span_order)
+            if span_pieces:                    # a few messages per run of chunks (see _span_order)
                 blocks = {r: b.runs(chunks, span_pieces) for r, chunks in blocks.items()}
             ring_op(b, list(members), [blocks.get(r, []) for r in members])
 
@@ -222,8 +224,9 @@ def _span_order(p, stages, holders, pos):
     """Targets ordered so that the targets a stage's ring member holds are consecutive, at every stage:
     by the position of their holder in one group of every stage, lowest stage first (on a uniform
     cluster: by rank within the host, then host within the rack, then rack). The allreduce numbers
-    its chunks in this order, so each ring step sends one span (:meth:`ScheduleBuilder.runs`) rather
-    than a chunk per target; on uneven groups, where no order serves every group, a few."""
+    its chunks in this order, so each ring step sends a member's share as a few spans
+    (:meth:`ScheduleBuilder.runs`) rather than a chunk per target; on uneven groups, where no order
+    serves every group, as a few more."""
     reference = [holders[s][0] for s in range(1, len(stages) + 1)]
     return sorted(range(p), key=lambda t: tuple(pos[row[t]] for row in reference) + (pos[t],))
 
