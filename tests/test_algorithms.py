@@ -12,6 +12,7 @@ from ddl.algorithms.hierarchical import (CHOOSE_VARIANTS_OPS, MAX_LIFT, MAX_WAVE
                                         WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
+from ddl.algorithms.ring_packing import MAX_RANKS as PACKING_MAX_RANKS
 from ddl.algorithms.tree_packing import direct_links
 from ddl.bounds import lower_bound
 from ddl.errors import PlanError
@@ -26,6 +27,7 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 SUPPORTS = {
     "ring": COLLECTIVES,
     "ring-channels": COLLECTIVES,
+    "ring-packing": COLLECTIVES,
     "halving-doubling": ("allreduce", "reduce_scatter", "allgather"),
     "recursive-doubling": ("allreduce",),
     "double-binary-tree": ("allreduce", "broadcast"),
@@ -52,6 +54,11 @@ def flat(name, p, collective, k=1, root=0, order=None):
         # the order both ways round and rotated, with unequal shares and chunk counts
         turned = order[p // 2:] + order[:p // 2]
         return channels_schedule([order, order[::-1], turned], [3, 2, 1], collective, [k, 1, k + 1], root)
+    if name == "ring-packing":
+        if 3 <= p <= PACKING_MAX_RANKS:     # direct links in a ring beside a tree of switches
+            return ALGORITHMS[name](ring_beside_pairs(p), collective, root=root, nbytes=64 << (10 * k))
+        # it declines outside 3..12 ranks (tested apart); its schedule builder runs at any size
+        return channels_schedule([order, order[::-1]], [3, 1], collective, [k, k + 1], root, algorithm=name)
     if name == "halving-doubling":
         return halving_doubling_schedule(order, collective, k)
     if name == "recursive-doubling":
@@ -84,6 +91,23 @@ def ring_beside_switch(p):
         "links": [{"a": f"g{i}", "b": "sw", "bandwidth": "10 GB/s"} for i in range(p)]
                  + [{"a": f"g{a}", "b": f"g{b}", "bandwidth": "25 GB/s"} for a, b in pairs],
         "ranks": [f"g{i}" for i in range(p)]})
+
+
+def ring_beside_pairs(p):
+    """``p`` GPU ranks joined in a ring by direct links (25 GB/s) and, like a DGX-1's PCIe tree, in
+    pairs ``(2i, 2i + 1)`` on a leaf switch (10 GB/s links), the leaves under one root (10 GB/s)."""
+    from ddl.topology import Topology
+
+    pairs = sorted({tuple(sorted((i, (i + 1) % p))) for i in range(p) if p > 1})
+    leaves = (p + 1) // 2
+    return Topology.from_dict({
+        "name": f"ring-beside-pairs-{p}",
+        "nodes": [{"id": "root", "kind": "switch"}, {"id": "leaf{j}", "kind": "switch", "for": {"j": leaves}},
+                  {"id": "g{i}", "kind": "gpu", "for": {"i": p}}],
+        "links": [{"a": f"g{i}", "b": f"leaf{i // 2}", "bandwidth": "10 GB/s"} for i in range(p)]
+                 + [{"a": "leaf{j}", "b": "root", "bandwidth": "10 GB/s", "for": {"j": leaves}}]
+                 + [{"a": f"g{a}", "b": f"g{b}", "bandwidth": "25 GB/s"} for a, b in pairs],
+        "ranks": [{"id": "g{i}", "for": {"i": p}}]})
 
 
 def cluster(hosts, gpus, interleave=False, intra="100 GB/s", inter="10 GB/s"):
@@ -154,6 +178,10 @@ def test_topology_schedules_verify(name):
             with pytest.raises(PlanError, match="repeat 'ring'|one ring"):
                 ALGORITHMS[name](topo, "allreduce")
             continue
+        if name == "ring-packing" and topo.name != "dgx1":      # trees of switches, too many ranks, 1 rank
+            with pytest.raises(PlanError, match="one path per rank pair|up to 12 ranks|one ring"):
+                ALGORITHMS[name](topo, "allreduce")
+            continue
         for collective in SUPPORTS[name]:
             plain = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=4096)
             piped = ALGORITHMS[name](topo, collective, root=topo.nranks - 1, nbytes=64 << 20)
@@ -173,7 +201,7 @@ def _must_pipeline(plain, piped):
         if plain.info["base_algorithm"] != info["base_algorithm"]:
             return False
         algorithm, info = info["base_algorithm"], info["base_info"]
-    if algorithm == "ring-channels":        # the largest channel's ring block must hold two 1 MiB chunks
+    if algorithm in ("ring-channels", "ring-packing"):   # the largest channel's ring block: two 1 MiB chunks
         weights = info["channel_weights"]
         blocks = 1 if piped.collective == "broadcast" else piped.nranks
         return (64 << 20) * max(weights) / sum(weights) / blocks >= 2 << 20
@@ -192,7 +220,7 @@ def test_unsupported_collective_is_a_plan_error(name):
 
 def test_deterministic():
     for name, fn in ALGORITHMS.items():
-        make = dgx1 if name in ("direct-link-trees", "ring-channels") else three_tier   # they need NVLink
+        make = dgx1 if name in ("direct-link-trees", "ring-channels", "ring-packing") else three_tier   # NVLink
         topo = make()
         for collective in SUPPORTS[name]:
             a, b = fn(topo, collective, nbytes=1 << 26), fn(make(), collective, nbytes=1 << 26)
@@ -504,6 +532,10 @@ def test_192_ranks_build_and_verify_in_seconds():
             continue
         if name == "ring-channels":  # one NIC per host: one ring is all there is
             with pytest.raises(PlanError, match="repeat 'ring'"):
+                fn(topo, "allreduce")
+            continue
+        if name == "ring-packing":  # its ring pricing is exponential in the ranks
+            with pytest.raises(PlanError, match="up to 12 ranks"):
                 fn(topo, "allreduce")
             continue
         if name == "reduce-broadcast-trees":  # its LP prices p^2 rank pairs

@@ -9,6 +9,8 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``ring`` -- topology-aware ring (NCCL-style order), all four collectives;
 * ``ring-channels`` -- NCCL's channels: several rings at once (other directions, other ways out of
   each host), rates from an LP; all four collectives;
+* ``ring-packing`` -- the rings that carry the most on a small fabric, chosen among all Hamiltonian
+  cycles (column generation), each hop routed over every path; all four collectives, up to 12 ranks;
 * ``halving-doubling`` -- Rabenseifner; allreduce, reduce_scatter, allgather;
 * ``recursive-doubling`` -- whole-vector swaps, ``log2 p`` rounds for latency-bound sizes; allreduce;
 * ``double-binary-tree`` -- NCCL's two complementary trees; allreduce, broadcast;
@@ -34,12 +36,14 @@ from .recursive_doubling import recursive_doubling, recursive_doubling_schedule
 from .reduce_broadcast_trees import reduce_broadcast_trees
 from .ring import ring, ring_order, ring_schedule
 from .ring_channels import ring_channels
+from .ring_packing import ring_packing
 from .tiered_exchange import repeats_doubling, tiered_exchange, tiered_exchange_schedule
 from .tree_packing import direct_link_trees, tree_packing
 
 ALGORITHMS = {
     "ring": ring,
     "ring-channels": ring_channels,
+    "ring-packing": ring_packing,
     "halving-doubling": halving_doubling,
     "recursive-doubling": recursive_doubling,
     "double-binary-tree": double_binary_tree,
@@ -58,7 +62,7 @@ REDUNDANT = {
     "tiered-exchange": repeats_doubling,
 }
 
-__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "ring_channels", "halving_doubling", "double_binary_tree", "hierarchical",
+__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "ring_channels", "ring_packing", "halving_doubling", "double_binary_tree", "hierarchical",
            "multicommodity_flow", "tree_packing", "direct_link_trees", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
            "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
            "hierarchical_schedule", "tiered_exchange", "tiered_exchange_schedule"]

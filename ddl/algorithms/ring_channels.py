@@ -184,18 +184,19 @@ def _max_total_rate(loads, capacity):
     return -res.fun, res.x
 
 
-def integer_weights(rates):
-    """Small positive integers in (about) the proportion of ``rates``."""
+def integer_weights(rates, steps=WEIGHT_STEPS):
+    """Small positive integers in (about) the proportion of ``rates``: each rate over the fastest as a
+    fraction with a denominator up to ``steps``."""
     top = max(rates)
-    fractions = [max(Fraction(r / top).limit_denominator(WEIGHT_STEPS), Fraction(1, WEIGHT_STEPS)) for r in rates]
+    fractions = [max(Fraction(r / top).limit_denominator(steps), Fraction(1, steps)) for r in rates]
     scale = lcm(*(f.denominator for f in fractions))
     return [int(f * scale) for f in fractions]
 
 
-def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, **info):
+def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, routes=None, **info):
     """Rings over ``orders`` side by side, channel ``j`` carrying ``weights[j] / sum(weights)`` of every
     block in ``k[j]`` chunks per ring block (``k`` may be one int for all); ring steps of the channels
-    interleave in the programs."""
+    interleave in the programs. ``routes`` pins rank pairs' paths (:attr:`Schedule.routes`)."""
     orders = [[int(r) for r in order] for order in orders]
     p = len(orders[0])
     check_request(algorithm, collective, p, root)
@@ -216,6 +217,7 @@ def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, 
         ring_blocks = [[[f + s for s in range(kj)]] + [[]] * (p - 1) for f, kj in zip(first, ks)]
         orders = [order[order.index(root):] + order[:order.index(root)] for order in orders]
     b = ScheduleBuilder(collective, p, tuple(pattern), root=root, algorithm=algorithm)
+    b.routes.update(routes or {})
     if collective in ("allreduce", "reduce_scatter"):
         rings_reduce_scatter(b, orders, ring_blocks)
     if collective != "reduce_scatter":

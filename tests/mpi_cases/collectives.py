@@ -332,6 +332,30 @@ def check_ring_channels():
     c.Free()
 
 
+def check_ring_packing():
+    """ring-packing on ranks joined in a cycle of direct links and, in pairs, under leaf switches of a
+    tree: rings of unequal rates with some hops split over two paths, every collective right and
+    bitwise the same everywhere (the paths are the fabric's business; the chunks must add up)."""
+    if p < 3:
+        return
+    from ddl.topology import Topology
+    leaves = (p + 1) // 2
+    topo = Topology.from_dict({
+        "name": "paired-cycle", "nodes": [{"id": "root", "kind": "switch"}]
+        + [{"id": f"leaf{j}", "kind": "switch"} for j in range(leaves)] + [{"id": f"cpu{g}", "kind": "cpu"} for g in range(p)],
+        "links": [{"a": f"cpu{g}", "b": f"cpu{(g + 1) % p}", "bandwidth": "25 GB/s"} for g in range(p)]
+                 + [{"a": f"cpu{g}", "b": f"leaf{g // 2}", "bandwidth": "10 GB/s"} for g in range(p)]
+                 + [{"a": f"leaf{j}", "b": "root", "bandwidth": "10 GB/s"} for j in range(leaves)],
+        "ranks": [f"cpu{g}" for g in range(p)]})
+    c = ddl.Communicator(WORLD, topology=topo, algorithm="ring-packing")
+    weights = c.plan(4 << 20).info["channel_weights"]
+    chk.ok(len(set(weights)) > 1, f"ring-packing: rings of equal shares {weights}")
+    for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
+        for count in (7 * p, 300_000):
+            run(c, count, f"ring-packing {coll} {count}")
+    c.Free()
+
+
 def check_tiered_exchange_lanes():
     """tiered-exchange on three hosts of two ranks (six of the ranks): radix 3, where the two ranks of
     a host each chain half of the hosts' sums from several messages at once, then merge."""
@@ -492,6 +516,7 @@ if mode == "full" or p in (5, 8):
     check_algorithms()
     check_hierarchical_ramped_waves()
     check_ring_channels()
+    check_ring_packing()
     check_spans()
     check_tiered_exchange_lanes()
 waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")

@@ -1,0 +1,261 @@
+"""The best rings a small fabric holds, each hop routed over every path: ring packing.
+
+``ring-channels`` runs rings as NCCL does: each hop of a ring takes its pair's usual route. On a box
+whose ranks are joined by more than one kind of path, that leaves capacity idle. A DGX-1's NVLink
+rings reach 150 GB/s of bus bandwidth while each GPU's PCIe link (12 GB/s more) stands by, so they
+end 8% short of the bound (162 GB/s, which counts PCIe). Here a ring's hop may go over any path
+between its two ranks, and the rings themselves are chosen among all Hamiltonian cycles.
+
+The programme, over rings ``j`` (rates ``x_j``) and paths ``t`` between rank pairs (flows ``y_t``)::
+
+    maximise sum_j x_j   s.t.   sum_{j uses pair q} x_j <= sum_{t of q} y_t     every rank pair q
+                                sum_{t uses link l} y_t <= capacity(l)          every directed link l
+
+There are far too many rings to list, so they are generated (column generation: P. C. Gilmore and
+R. E. Gomory, "A linear programming approach to the cutting-stock problem", 1961). Start from the
+channels ``ring-channels`` picks; solve; price every rank pair at its row's dual value; the ring
+that would raise the optimum is the Hamiltonian cycle of least total price below 1, which the
+Held-Karp dynamic programme finds exactly (M. Held and R. M. Karp, 1962; ``2^p p^2`` steps, hence
+:data:`MAX_RANKS`). Ties between rings of equal price go to hops over fewer links. When no ring
+prices below 1, the optimum over *all* rings is reached (162 GB/s on the DGX-1).
+
+Every ring is a channel that pays its own latencies and cuts its share into its own chunks, so a
+mixed integer programme (HiGHS) then keeps the fewest rings that hold :data:`KEEP` of that optimum
+(the DGX-1: its four NVLink rings, one of them at 62 GB/s with a fifth of every hop over PCIe). A
+last LP keeps the rates and sends each pair's traffic over the fewest links, and pins that split in
+:attr:`Schedule.routes`. Shares follow the rates closely (:data:`RATE_STEPS`): on the DGX-1, shares
+rounded to eighths predict 1.007 of the bound, to 64ths 1.002.
+
+Collectives: all four. It declines beyond :data:`MAX_RANKS`, where the fabric has one path per rank
+pair, and where it gains less than ring-channels' :data:`~ddl.algorithms.ring_channels.MIN_GAIN`
+over ring-channels' own channels (it would repeat them).
+"""
+import itertools
+
+import networkx as nx
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+from ..errors import PlanError
+from .multicommodity_flow import repeats_a_base
+from .ring import MAX_CHUNKS, MAX_PIPELINE, check_request, pipeline_depth
+from .ring_channels import (MAX_CHANNELS, MAX_OPS, MIN_GAIN, candidate_orders, channels_schedule,
+                            choose_channels, integer_weights)
+
+NAME = "ring-packing"
+MAX_RANKS = 12            # Held-Karp prices a ring in 2^(p-1) p^2 steps
+MAX_PATH_LINKS = 6        # paths between two ranks of at most this many links ...
+MAX_PATHS = 16            # ... the shortest this many of them
+MAX_ROUNDS = 64           # rings generated at most
+KEEP = 0.995              # the rings kept hold at least this share of the optimum over all rings
+SELECT_SECONDS = 10.0     # time limit for choosing the fewest rings
+RATE_STEPS = 64           # channel shares are fractions of the fastest with denominators up to this
+PRICE_TOL = 1e-7          # a ring must price below 1 by this much to join
+TIE = 1e-4                # tie-break weight per link of a pair's shortest path (relative to price 1)
+
+
+def ring_packing(topo, collective, *, root=0, nbytes=None):
+    """Rings chosen among all Hamiltonian cycles, hops routed over every path (module docstring)."""
+    p = topo.nranks
+    check_request(NAME, collective, p, root)
+    if p < 3:
+        raise PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
+    if p > MAX_RANKS:
+        raise PlanError(f"{NAME}: pricing rings is exponential in the ranks; up to {MAX_RANKS} ranks, "
+                        f"not {p} ('ring-channels' and 'hierarchical' plan this size)")
+    single = repeats_a_base(topo)
+    if single:
+        raise PlanError(f"{NAME}: {single.split(':')[0]}: the rings of 'ring-channels' are all there is")
+    start, start_rates = choose_channels(topo, candidate_orders(topo))
+    packing = RingPacking(topo, rank_paths(topo))
+    cycles, rates, routes = packing.solve([[int(r) for r in order] for order in start])
+    if sum(rates) <= sum(start_rates) * (1 + MIN_GAIN):
+        raise PlanError(f"{NAME}: routing rings over every path gains less than {MIN_GAIN:.0%} over "
+                        f"ring-channels' {len(start)} channels (it would repeat 'ring-channels')")
+    per_ring = 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
+    weights = integer_weights(rates, RATE_STEPS)
+    most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(cycles) * per_ring)))
+    ks = [pipeline_depth(nbytes * w / sum(weights) if nbytes else nbytes, 1 if collective == "broadcast" else p,
+                         max_k=most, max_chunks=MAX_CHUNKS) for w in weights]
+    return channels_schedule(cycles, weights, collective, ks, root, algorithm=NAME, routes=routes,
+                             channel_rates=[float(r) for r in rates], rings_generated=packing.generated)
+
+
+def rank_paths(topo):
+    """``{(a, b): (path, ...)}``: for every ordered rank pair, the paths of at most
+    :data:`MAX_PATH_LINKS` links that pass through no other rank, the :data:`MAX_PATHS` shortest."""
+    graph = topo.usable_graph()
+    ranks = list(topo.ranks)
+    others = set(ranks)
+    paths = {}
+    for a, b in itertools.permutations(range(len(ranks)), 2):
+        allowed = graph.subgraph([v for v in graph if v not in others or v in (ranks[a], ranks[b])])
+        found = sorted((tuple(x) for x in nx.all_simple_paths(allowed, ranks[a], ranks[b], cutoff=MAX_PATH_LINKS)),
+                       key=lambda x: (len(x), x))
+        if not found:
+            raise PlanError(f"{NAME}: no path of at most {MAX_PATH_LINKS} links from rank {a} to rank {b} "
+                            f"avoids the other ranks")
+        paths[(a, b)] = tuple(found[:MAX_PATHS])
+    return paths
+
+
+class RingPacking:
+    """The ring-packing programme on one fabric: columns are rings, rows rank pairs and links."""
+
+    def __init__(self, topo, paths):
+        self.p = topo.nranks
+        self.pairs = sorted(paths)
+        self.pair_index = {q: i for i, q in enumerate(self.pairs)}
+        self.paths = [(i, path) for i, q in enumerate(self.pairs) for path in paths[q]]
+        links = {}
+        rows, cols = [], []
+        for t, (_, path) in enumerate(self.paths):
+            for link in zip(path[:-1], path[1:]):
+                rows.append(links.setdefault(link, len(links)))
+                cols.append(t)
+        cap = np.array([float(topo.capacity(u, v)) for u, v in links])
+        self.unit = float(cap.max())           # rates in units of the widest link: a well-scaled LP
+        self.cap = cap / self.unit
+        self.link_paths = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(links), len(self.paths)))
+        self.pair_paths = sp.csr_matrix((np.ones(len(self.paths)), ([i for i, _ in self.paths], range(len(self.paths)))),
+                                        shape=(len(self.pairs), len(self.paths)))
+        self.length = np.array([len(path) - 1 for _, path in self.paths], dtype=float)
+        fewest = {}
+        for (i, _), n in zip(self.paths, self.length):
+            fewest[i] = min(fewest.get(i, np.inf), n)
+        self.tie = np.zeros((self.p, self.p))
+        for i, (a, b) in enumerate(self.pairs):
+            self.tie[a, b] = TIE * fewest[i] / MAX_PATH_LINKS
+        self.generated = 0
+
+    def solve(self, cycles):
+        """``(cycles, rates, routes)``: the fewest rings holding :data:`KEEP` of the optimum over all
+        rings, starting from ``cycles``; rates in bytes/s per hop, routes as :attr:`Schedule.routes`."""
+        cycles = [list(c) for c in cycles]
+        seen = {tuple(c) for c in cycles}
+        for _ in range(MAX_ROUNDS):
+            _, _, prices = self._lp(cycles)
+            cycle, price = self.cheapest_ring(prices)
+            if price >= 1 - PRICE_TOL or tuple(cycle) in seen:
+                break
+            cycles.append(cycle)
+            seen.add(tuple(cycle))
+            self.generated += 1
+        best, _, _ = self._lp(cycles)
+        kept = self._fewest(cycles, best)
+        cycles = [cycles[j] for j in kept]
+        value, x, _ = self._lp(cycles)
+        rates, flows = self._shortest_routing(cycles, value)
+        return cycles, [float(r) * self.unit for r in rates], self._routes(flows)
+
+    # ---- the programmes ----------------------------------------------------------------------------
+    def _uses(self, cycles):
+        """Pairs x rings: how many hops of each ring join each ordered pair (0 or 1)."""
+        rows, cols = [], []
+        for j, c in enumerate(cycles):
+            for i in range(len(c)):
+                rows.append(self.pair_index[(c[i], c[(i + 1) % len(c)])])
+                cols.append(j)
+        return sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(self.pairs), len(cycles)))
+
+    def _rows(self, cycles):
+        """``(A, b)`` over columns ``[x (rings), y (paths)]``: pair rows, then link rows."""
+        a = sp.vstack([sp.hstack([self._uses(cycles), -self.pair_paths]),
+                       sp.hstack([sp.csr_matrix((self.link_paths.shape[0], len(cycles))), self.link_paths])]).tocsr()
+        return a, np.concatenate([np.zeros(len(self.pairs)), self.cap])
+
+    def _lp(self, cycles):
+        """``(optimum, x, pair prices)``, the prices as a p x p matrix."""
+        a, b = self._rows(cycles)
+        c = np.concatenate([-np.ones(len(cycles)), np.zeros(len(self.paths))])
+        res = linprog(c, A_ub=a, b_ub=b, bounds=(0, None), method="highs")
+        if res.status != 0:
+            raise PlanError(f"{NAME}: the ring LP failed ({res.message})")
+        prices = np.zeros((self.p, self.p))
+        for (s, d), u in zip(self.pairs, -res.ineqlin.marginals[:len(self.pairs)]):
+            prices[s, d] = max(u, 0.0)
+        return -res.fun, res.x[:len(cycles)], prices
+
+    def cheapest_ring(self, prices):
+        """The Hamiltonian cycle (from rank 0) of least total price, ties to fewer links; and its price."""
+        order = held_karp(prices + self.tie)
+        return order, float(sum(prices[order[i], order[(i + 1) % self.p]] for i in range(self.p)))
+
+    def _fewest(self, cycles, best):
+        """Indices of the fewest rings whose packing reaches ``KEEP * best`` (a MILP: one binary per ring)."""
+        a, b = self._rows(cycles)
+        nj, nt = len(cycles), len(self.paths)
+        on = sp.hstack([sp.identity(nj), sp.csr_matrix((nj, nt)), -best * sp.identity(nj)])   # x_j <= best z_j
+        total = np.concatenate([np.ones(nj), np.zeros(nt + nj)])
+        constraints = [LinearConstraint(sp.hstack([a, sp.csr_matrix((a.shape[0], nj))]), -np.inf, b),
+                       LinearConstraint(on, -np.inf, 0),
+                       LinearConstraint(total, KEEP * best, np.inf)]
+        cost = np.concatenate([np.zeros(nj + nt), np.ones(nj)])
+        integrality = np.concatenate([np.zeros(nj + nt), np.ones(nj)])
+        upper = np.concatenate([np.full(nj + nt, np.inf), np.ones(nj)])
+        res = milp(cost, constraints=constraints, integrality=integrality, bounds=Bounds(0, upper),
+                   options={"time_limit": SELECT_SECONDS})
+        if res.x is None:       # no feasible selection within the time limit: every ring stays
+            return list(range(nj))
+        kept = [j for j in range(nj) if res.x[nj + nt + j] > 0.5]
+        return kept[:MAX_CHANNELS]
+
+    def _shortest_routing(self, cycles, value):
+        """Rates and path flows that keep the optimum ``value`` and cross the fewest links."""
+        a, b = self._rows(cycles)
+        nj = len(cycles)
+        total = np.concatenate([-np.ones(nj), np.zeros(len(self.paths))])
+        res = linprog(np.concatenate([np.zeros(nj), self.length]),
+                      A_ub=sp.vstack([a, sp.csr_matrix(total)]), b_ub=np.concatenate([b, [-value * (1 - 1e-9)]]),
+                      bounds=(0, None), method="highs")
+        if res.status != 0:
+            raise PlanError(f"{NAME}: the routing LP failed ({res.message})")
+        return res.x[:nj], res.x[nj:]
+
+    def _routes(self, flows):
+        """``{(a, b): ((path, share), ...)}`` for every pair that carries flow."""
+        by_pair = {}
+        for (i, path), f in zip(self.paths, flows):
+            if f > 1e-9:
+                by_pair.setdefault(self.pairs[i], []).append((path, f))
+        routes = {}
+        for pair, found in by_pair.items():
+            total = sum(f for _, f in found)
+            routes[pair] = tuple(sorted(((path, f / total) for path, f in found), key=lambda x: (-x[1], x[0])))
+        return routes
+
+
+def held_karp(cost):
+    """The Hamiltonian cycle from vertex 0 of least total ``cost[a][b]`` (exact dynamic programme over
+    the subsets of the other vertices, one numpy step per subset)."""
+    n = len(cost)
+    cost = np.asarray(cost, dtype=float)
+    if n < 3:
+        return list(range(n))
+    m = n - 1                                   # vertices 1..n-1 are bits 0..m-1
+    dp = np.full((1 << m, n), np.inf)
+    parent = np.zeros((1 << m, n), dtype=np.int64)
+    for j in range(1, n):
+        dp[1 << (j - 1), j] = cost[0, j]
+    for s in range(1, 1 << m):
+        row = dp[s]
+        if not np.isfinite(row).any():
+            continue
+        through = row[:, None] + cost           # from last vertex i to next vertex k
+        best_from = through.argmin(axis=0)
+        best = through[best_from, np.arange(n)]
+        for k in range(1, n):
+            bit = 1 << (k - 1)
+            if not s & bit and best[k] < dp[s | bit, k]:
+                dp[s | bit, k] = best[k]
+                parent[s | bit, k] = best_from[k]
+    s = (1 << m) - 1
+    last = int(np.argmin(dp[s, 1:] + cost[1:, 0])) + 1
+    order = []
+    while s:
+        order.append(last)
+        prev = int(parent[s, last])
+        s &= ~(1 << (last - 1))
+        last = prev
+    return [0] + order[::-1]

@@ -1,0 +1,119 @@
+"""ring-packing: the best rings among all Hamiltonian cycles, each hop routed over every path."""
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.optimize import linprog
+
+from ddl.algorithms import ALGORITHMS
+from ddl.algorithms.ring_packing import KEEP, MAX_RANKS, RingPacking, held_karp, rank_paths
+from ddl.bounds import busbw, lower_bound
+from ddl.errors import PlanError
+from ddl.simulate import simulate
+from ddl.topology import Topology
+from ddl.verify import verify
+from test_algorithms import cluster, ring_beside_pairs, ring_beside_switch
+
+ZOO = Path(__file__).resolve().parent.parent / "topologies"
+N = 256 << 20
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+
+
+def zoo(name):
+    return Topology.load(ZOO / f"{name}.yaml")
+
+
+def test_dgx1_uses_pcie_beside_nvlink_and_reaches_the_bound():
+    # NVLink rings alone: 150 GB/s of bus bandwidth; every GPU's PCIe link adds 12 GB/s, which the
+    # bound counts (162). Rings whose hops also cross the PCIe switches reach it.
+    topo = zoo("dgx1-v100")
+    sched = ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=N)
+    verify(sched)
+    assert sum(sched.info["channel_rates"]) == pytest.approx(162e9, rel=1e-6)
+    assert len(sched.info["channels"]) <= 6
+    seconds = simulate(topo, sched, N).seconds
+    assert seconds <= 1.02 * lower_bound(topo, "allreduce", N).seconds
+    assert busbw("allreduce", N, seconds, 8) > 159e9
+    channels = simulate(topo, ALGORITHMS["ring-channels"](topo, "allreduce", nbytes=N), N).seconds
+    assert channels > 1.07 * seconds
+    # two GPUs on one PCIe switch: part of their traffic goes through the switch, beside their NVLinks
+    split = [paths for (a, b), paths in sched.routes.items() if a // 2 == b // 2 and len(paths) == 2]
+    assert split and all({len(path) for path, _ in paths} == {2, 3} for paths in split)
+
+
+def test_every_collective_verifies_and_routes_fit_the_links():
+    topo = zoo("dgx1-v100")
+    for collective in COLLECTIVES:
+        for nbytes in (4096, N):
+            sched = ALGORITHMS["ring-packing"](topo, collective, root=3, nbytes=nbytes)
+            verify(sched)
+            assert sched.algorithm == "ring-packing"
+    sched = ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=N)
+    load = {}
+    for order, rate in zip(sched.info["channels"], sched.info["channel_rates"]):
+        for i in range(len(order)):
+            paths = sched.routes[(order[i], order[(i + 1) % len(order)])]
+            assert sum(share for _, share in paths) == pytest.approx(1.0)
+            for path, share in paths:
+                for link in zip(path[:-1], path[1:]):
+                    load[link] = load.get(link, 0.0) + rate * share
+    assert all(amount <= topo.capacity(*link) * (1 + 1e-6) for link, amount in load.items())
+    assert max(amount / topo.capacity(*link) for link, amount in load.items()) > 0.99
+
+
+def _all_rings_optimum(topo):
+    """The LP over every Hamiltonian cycle, listed: what column generation must reach."""
+    p = topo.nranks
+    cycles = [[0, *rest] for rest in itertools.permutations(range(1, p))]
+    packing = RingPacking(topo, rank_paths(topo))
+    a, b = packing._rows(cycles)
+    res = linprog(np.concatenate([-np.ones(len(cycles)), np.zeros(len(packing.paths))]), A_ub=a, b_ub=b,
+                  bounds=(0, None), method="highs")
+    return -res.fun * packing.unit
+
+
+@pytest.mark.parametrize("p", [4, 5, 6])
+def test_generated_rings_reach_the_optimum_over_all_rings(p):
+    topo = ring_beside_pairs(p)
+    best = _all_rings_optimum(topo)
+    sched = ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=N)
+    total = sum(sched.info["channel_rates"])
+    assert KEEP * best * (1 - 1e-6) <= total <= best * (1 + 1e-6)
+    # more than ring-channels' rings can carry over the fabric's own routes
+    channels = ALGORITHMS["ring-channels"](topo, "allreduce", nbytes=N)
+    assert total > 1.01 * sum(channels.info["channel_rates"])
+
+
+def test_held_karp_finds_the_cheapest_cycle():
+    rng = np.random.default_rng(7)
+    for n in range(3, 8):
+        for _ in range(5):
+            cost = rng.integers(1, 50, size=(n, n)).astype(float)
+            order = held_karp(cost)
+            assert order[0] == 0 and sorted(order) == list(range(n))
+
+            def total(o):
+                return sum(cost[o[i], o[(i + 1) % n]] for i in range(n))
+
+            assert total(order) == min(total([0, *rest]) for rest in itertools.permutations(range(1, n)))
+
+
+def test_declines_with_reasons():
+    with pytest.raises(PlanError, match="one path per rank pair"):
+        ALGORITHMS["ring-packing"](cluster(2, 3), "allreduce")          # a tree of switches
+    with pytest.raises(PlanError, match=f"up to {MAX_RANKS} ranks"):
+        ALGORITHMS["ring-packing"](ring_beside_pairs(MAX_RANKS + 1), "allreduce")
+    with pytest.raises(PlanError, match="one ring"):
+        ALGORITHMS["ring-packing"](ring_beside_pairs(2), "allreduce")
+    # a star beside the ring: ring-channels' third ring over the switch already takes what is there
+    with pytest.raises(PlanError, match="repeat 'ring-channels'"):
+        ALGORITHMS["ring-packing"](ring_beside_switch(5), "allreduce")
+
+
+def test_auto_picks_it_on_the_dgx1_at_large_sizes_only():
+    from ddl.planner import Planner
+
+    planner = Planner(zoo("dgx1-v100"), use_disk_cache=False)
+    assert planner.plan("allreduce", N).schedule.algorithm == "ring-packing"
+    assert planner.plan("allreduce", 8).schedule.algorithm != "ring-packing"
