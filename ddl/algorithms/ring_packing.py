@@ -145,8 +145,8 @@ class RingPacking:
         best, _, _ = self._lp(cycles)
         kept = self._fewest(cycles, best)
         cycles = [cycles[j] for j in kept]
-        value, x, _ = self._lp(cycles)
-        rates, flows = self._shortest_routing(cycles, value)
+        _, rates, _ = self._lp(cycles)
+        flows = self._shortest_routing(cycles, rates)
         return cycles, [float(r) * self.unit for r in rates], self._routes(flows)
 
     # ---- the programmes ----------------------------------------------------------------------------
@@ -201,17 +201,15 @@ class RingPacking:
         kept = [j for j in range(nj) if res.x[nj + nt + j] > 0.5]
         return kept[:MAX_CHANNELS]
 
-    def _shortest_routing(self, cycles, value):
-        """Rates and path flows that keep the optimum ``value`` and cross the fewest links."""
+    def _shortest_routing(self, cycles, rates):
+        """Path flows that carry the rings at ``rates`` over the fewest links."""
         a, b = self._rows(cycles)
         nj = len(cycles)
-        total = np.concatenate([-np.ones(nj), np.zeros(len(self.paths))])
-        res = linprog(np.concatenate([np.zeros(nj), self.length]),
-                      A_ub=sp.vstack([a, sp.csr_matrix(total)]), b_ub=np.concatenate([b, [-value * (1 - 1e-9)]]),
-                      bounds=(0, None), method="highs")
+        res = linprog(np.concatenate([np.zeros(nj), self.length]), A_ub=a, b_ub=b,
+                      bounds=[(r, r) for r in rates] + [(0, None)] * len(self.paths), method="highs")
         if res.status != 0:
             raise PlanError(f"{NAME}: the routing LP failed ({res.message})")
-        return res.x[:nj], res.x[nj:]
+        return res.x[nj:]
 
     def _routes(self, flows):
         """``{(a, b): ((path, share), ...)}`` for every pair that carries flow."""
