@@ -30,6 +30,7 @@ Collectives: all four. It declines beyond :data:`MAX_RANKS`, where the fabric ha
 pair, and where it gains less than ring-channels' :data:`~ddl.algorithms.ring_channels.MIN_GAIN`
 over ring-channels' own channels (it would repeat them).
 """
+import functools
 import itertools
 
 import networkx as nx
@@ -59,27 +60,39 @@ def ring_packing(topo, collective, *, root=0, nbytes=None):
     """Rings chosen among all Hamiltonian cycles, hops routed over every path (module docstring)."""
     p = topo.nranks
     check_request(NAME, collective, p, root)
-    if p < 3:
-        raise PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
-    if p > MAX_RANKS:
-        raise PlanError(f"{NAME}: pricing rings is exponential in the ranks; up to {MAX_RANKS} ranks, "
-                        f"not {p} ('ring-channels' and 'hierarchical' plan this size)")
-    single = repeats_a_base(topo)
-    if single:
-        raise PlanError(f"{NAME}: {single.split(':')[0]}: the rings of 'ring-channels' are all there is")
-    start, start_rates = choose_channels(topo, candidate_orders(topo))
-    packing = RingPacking(topo, rank_paths(topo))
-    cycles, rates, routes = packing.solve([[int(r) for r in order] for order in start])
-    if sum(rates) <= sum(start_rates) * (1 + MIN_GAIN):
-        raise PlanError(f"{NAME}: routing rings over every path gains less than {MIN_GAIN:.0%} over "
-                        f"ring-channels' {len(start)} channels (it would repeat 'ring-channels')")
+    packed = pack_rings(topo)
+    if isinstance(packed, PlanError):
+        raise packed
+    cycles, rates, routes, generated = packed
     per_ring = 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
     weights = integer_weights(rates, RATE_STEPS)
     most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(cycles) * per_ring)))
     ks = [pipeline_depth(nbytes * w / sum(weights) if nbytes else nbytes, 1 if collective == "broadcast" else p,
                          max_k=most, max_chunks=MAX_CHUNKS) for w in weights]
     return channels_schedule(cycles, weights, collective, ks, root, algorithm=NAME, routes=routes,
-                             channel_rates=[float(r) for r in rates], rings_generated=packing.generated)
+                             channel_rates=list(rates), rings_generated=generated)
+
+
+@functools.lru_cache(maxsize=16)
+def pack_rings(topo):
+    """``(cycles, rates, routes, rings generated)`` for ``topo``, or the :class:`PlanError` saying why
+    not: the same for every collective and size, so worked out once per topology."""
+    p = topo.nranks
+    if p < 3:
+        return PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
+    if p > MAX_RANKS:
+        return PlanError(f"{NAME}: pricing rings is exponential in the ranks; up to {MAX_RANKS} ranks, "
+                         f"not {p} ('ring-channels' and 'hierarchical' plan this size)")
+    single = repeats_a_base(topo)
+    if single:
+        return PlanError(f"{NAME}: {single.split(':')[0]}: the rings of 'ring-channels' are all there is")
+    start, start_rates = choose_channels(topo, candidate_orders(topo))
+    packing = RingPacking(topo, rank_paths(topo))
+    cycles, rates, routes = packing.solve([[int(r) for r in order] for order in start])
+    if sum(rates) <= sum(start_rates) * (1 + MIN_GAIN):
+        return PlanError(f"{NAME}: routing rings over every path gains less than {MIN_GAIN:.0%} over "
+                         f"ring-channels' {len(start)} channels (it would repeat 'ring-channels')")
+    return tuple(tuple(c) for c in cycles), tuple(rates), routes, packing.generated
 
 
 def rank_paths(topo):
@@ -225,29 +238,29 @@ class RingPacking:
 
 
 def held_karp(cost):
-    """The Hamiltonian cycle from vertex 0 of least total ``cost[a][b]`` (exact dynamic programme over
-    the subsets of the other vertices, one numpy step per subset)."""
+    """The Hamiltonian cycle from vertex 0 of least total ``cost[a][b]``: the exact dynamic programme
+    over subsets of the other vertices, ``dp[S, k]`` = the cheapest path from 0 through ``S`` ending
+    at ``k``, computed for all subsets of one size at a time (numpy over the subsets)."""
     n = len(cost)
     cost = np.asarray(cost, dtype=float)
     if n < 3:
         return list(range(n))
-    m = n - 1                                   # vertices 1..n-1 are bits 0..m-1
+    m = n - 1                                   # vertex k (1..n-1) is bit k-1
+    masks = np.arange(1 << m)
+    size = sum((masks >> i) & 1 for i in range(m))
     dp = np.full((1 << m, n), np.inf)
     parent = np.zeros((1 << m, n), dtype=np.int64)
-    for j in range(1, n):
-        dp[1 << (j - 1), j] = cost[0, j]
-    for s in range(1, 1 << m):
-        row = dp[s]
-        if not np.isfinite(row).any():
-            continue
-        through = row[:, None] + cost           # from last vertex i to next vertex k
-        best_from = through.argmin(axis=0)
-        best = through[best_from, np.arange(n)]
+    for k in range(1, n):
+        dp[1 << (k - 1), k] = cost[0, k]
+    for count in range(2, m + 1):
+        layer = masks[size == count]
         for k in range(1, n):
             bit = 1 << (k - 1)
-            if not s & bit and best[k] < dp[s | bit, k]:
-                dp[s | bit, k] = best[k]
-                parent[s | bit, k] = best_from[k]
+            ending = layer[(layer & bit) != 0]
+            through = dp[ending ^ bit] + cost[:, k]    # the path without k, then on to k
+            best = through.argmin(axis=1)
+            dp[ending, k] = through[np.arange(len(ending)), best]
+            parent[ending, k] = best
     s = (1 << m) - 1
     last = int(np.argmin(dp[s, 1:] + cost[1:, 0])) + 1
     order = []
