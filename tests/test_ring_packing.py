@@ -42,6 +42,16 @@ def test_dgx1_uses_pcie_beside_nvlink_and_reaches_the_bound():
     assert split and all({len(path) for path, _ in paths} == {2, 3} for paths in split)
 
 
+def test_dgx1_allgather_reaches_the_cut_bound():
+    # the known answer: all GPUs but one send into it over 6 NVLinks and PCIe, 162 GB/s, so the
+    # allgather's algorithm bandwidth is at most 8 x 162 / 7 = 185.1 GB/s
+    topo = zoo("dgx1-v100")
+    sched = ALGORITHMS["ring-packing"](topo, "allgather", nbytes=N)
+    seconds = simulate(topo, sched, N).seconds
+    assert N / seconds > 0.98 * 8 * 162e9 / 7
+    assert seconds <= 1.02 * lower_bound(topo, "allgather", N).seconds
+
+
 def test_every_collective_verifies_and_routes_fit_the_links():
     topo = zoo("dgx1-v100")
     for collective in COLLECTIVES:
