@@ -90,8 +90,8 @@ def pack_rings(topo):
     packing = RingPacking(topo, rank_paths(topo))
     cycles, rates, routes = packing.solve([[int(r) for r in order] for order in start])
     if sum(rates) <= sum(start_rates) * (1 + MIN_GAIN):
-        return PlanError(f"{NAME}: routing rings over every path gains less than {MIN_GAIN:.0%} over "
-                         f"ring-channels' {len(start)} channels (it would repeat 'ring-channels')")
+        return PlanError(f"{NAME}: routing rings over every path gains less than {MIN_GAIN:.0%} over the "
+                         f"rings of 'ring-channels' (it would repeat 'ring-channels')")
     return tuple(tuple(c) for c in cycles), tuple(rates), routes, packing.generated
 
 
