@@ -9,7 +9,7 @@ from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import (CHOOSE_VARIANTS_OPS, MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, WAVE_CAPS,
-                                        WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth)
+                                        WAVE_LAG, WAVE_MIN_BYTES, ramp, stage_partitions, wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.ring_packing import MAX_RANKS as PACKING_MAX_RANKS
@@ -403,12 +403,13 @@ def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k, l
             nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
 
 
-@pytest.mark.parametrize("name,stages,waves", [("dgx-a100-2x8", [2, 1], 16), ("leaf-spine-2rack", [8, 1], 8),
+@pytest.mark.parametrize("name,stages,waves", [("dgx-a100-2x8", [2, 1], 8), ("leaf-spine-2rack", [8, 1], 8),
                                                ("fat-tree-4x4-r16", [4, 1], 8)])
 def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages, waves):
-    # which stages and how many waves overlap best is no rule's: sixteen waves (lifted) win on the
-    # A100 pair; on the leaf-spine one ring over all hosts beats a stage per rack and one across; on
-    # the 16:1 fat tree more waves are predicted faster, but by less than the 1% a variant must earn.
+    # which stages and how many waves overlap best is no rule's: on the A100 pair more waves are
+    # predicted slower (with the lag); on the leaf-spine one ring over all hosts beats a stage per rack
+    # and one across; on the 16:1 fat tree more waves are predicted faster, but by less than the 1% a
+    # variant must earn.
     # Every variant tried is rebuilt here and simulated again.
     topo = Topology.load(ZOO / f"{name}.yaml")
     nbytes = 256 << 20
@@ -423,7 +424,7 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     kept = None
     for t in tried:
         again = hierarchical_schedule(order, [by_size[n] for n in t["stages"] if n > 1], "allreduce", t["waves"],
-                                      waves=t["waves"], ramped=True, lift=t["lift"])
+                                      waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG)
         assert [len(st["groups"]) for st in again.info["stages"]] == t["stages"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
         if kept is None or t["seconds"] < (1 - MIN_VARIANT_GAIN) * kept["seconds"]:
@@ -457,6 +458,26 @@ def test_hierarchical_tries_no_variants_on_large_schedules(monkeypatch):
     assert "variants_tried" not in sched.info
 
 
+def test_hierarchical_lag_lets_the_way_up_run_ahead():
+    # on the A100 pair the NVLinks are the busiest links: with each wave's allgather listed right after
+    # its reduce-scatter they catch up with the NICs and idle through the last wave's crossing
+    topo = Topology.load(ZOO / "dgx-a100-2x8.yaml")
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    assert sched.info["lag"] == WAVE_LAG
+    info = sched.info
+    parts = [st["groups"] for st in info["stages"]][:-1]
+    seconds = {}
+    for lag in (0, WAVE_LAG):
+        again = hierarchical_schedule(info["order"], parts, "allreduce", info["chunks_per_target"],
+                                      waves=info["waves"], ramped=True, lift=info["lift"], lag=lag)
+        verify(again)
+        assert sorted(again.programs[5]) == sorted(sched.programs[5])    # the same operations, reordered
+        seconds[lag] = simulate(topo, again, nbytes).seconds
+    bound = lower_bound(topo, "allreduce", nbytes).seconds
+    assert seconds[WAVE_LAG] <= 1.02 * bound < seconds[0]
+
+
 def test_hierarchical_unequal_groups():
     # hosts of 4, 2 and 3 GPUs: unequal groups still give a correct schedule for every collective
     order = list(range(9))
@@ -464,7 +485,8 @@ def test_hierarchical_unequal_groups():
     for collective in COLLECTIVES:
         for k in (1, 2):
             for waves in (1, k):
-                verify(hierarchical_schedule(order, parts, collective, k, root=5, waves=waves))
+                for lag in (0, 1, 3):
+                    verify(hierarchical_schedule(order, parts, collective, k, root=5, waves=waves, lag=lag))
     assert [len(s) for s in stage_partitions(9, parts)] == [3, 1]
     with pytest.raises(PlanError, match="not nested"):
         stage_partitions(4, [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])

@@ -46,6 +46,18 @@ waves 1, 2, 1; on the 32-rank three-tier test cluster at 64 MiB six lifted by tw
 after stage) to 71.7 ms (two equal waves), 64.6 ms (three ramped waves) and 63.1 ms (four waves,
 lifted by one).
 
+Lag. Among the messages of one rank pair that are ready, the earliest in the program leaves first
+(MPI's non-overtaking order; the simulator follows it). Listing each wave's way up and then at once
+its way back down therefore favours the down-sweep: a fast tier that is also the busiest (the
+NVLink of a DGX A100 moves 7/8 of the buffer each way, its NIC 1/16) does wave ``j``'s allgather as
+soon as the slow tier hands it back, has nothing left to do when the last wave goes through the slow
+tier, and idles. An allreduce lists wave ``j``'s way down after the way up of waves ``j+1`` and
+``j+2`` (:data:`WAVE_LAG`), so the up-sweep runs ahead and leaves a backlog of allgathers for the
+end. On the 2 x 8 DGX A100 cluster at 256 MiB that takes the prediction from 1.034 of the bound to
+1.012 (8 waves instead of 16); on 4 x 8, where the NICs are the busiest, from 1.045 to 1.039; a lag
+of 1 gains less (1.035 on 2 x 8), 4 no more (1.012 there, 1.042 on 4 x 8). The data and the reduction
+order are those without the lag: waves hold disjoint chunks.
+
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) are predicted 1.4-2.2% faster than
 eight, on the oversubscribed leaf-spine 3% slower. Nor is every tier worth a stage: on the
@@ -80,6 +92,8 @@ MAX_WAVE_OPS = MAX_SCHEDULE_OPS
 # against a message per target: 16 spans predict 1.000, 1.002 and 1.011 times its time with 2.0, 2.9
 # and 3.4 times fewer operations; 4 spans 1.003, 1.040 and 1.074; one span 1.036 at R = 3.
 SPAN_PIECES = (16, 8, 4)
+# An allreduce lists each wave's way back down after the way up of this many later waves (see Lag).
+WAVE_LAG = 2
 # The ramp of the waves may be lifted by up to this much where its smallest waves would be too small.
 MAX_LIFT = 3
 # Variants (tiers left out, more waves under these caps) are simulated to choose among them ...
@@ -132,13 +146,14 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
-                          lift=0, span_pieces=SPAN_PIECES[0], **info):
+                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
     ``ramped``: chunk ``j`` of a target weighs ``ramp(k, lift)[j]`` instead of 1. An allreduce's ring
     members send their shares in up to ``span_pieces`` spans per step (other collectives: a message
-    per chunk, since their chunks of one target are its pipeline)."""
+    per chunk, since their chunks of one target are its pipeline), and list a wave's way back down
+    after the way up of the ``lag`` waves that follow it."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -159,16 +174,26 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
         targets = {t: list(range(t * k, (t + 1) * k)) for t in range(p)}
     waves = max(1, min(int(waves), k))
     spans = span_pieces if collective == "allreduce" else None
+    lag = max(0, int(lag)) if collective == "allreduce" else 0
+
+    def wave(w):
+        return {t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()}
+
+    def down(w):
+        for s in range(len(stages), 0, -1):
+            _stage(b, s, holders, children, wave(w), pos, ring_allgather, spans)
+
     for w in range(waves):
-        wave = {t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()}
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
-                _stage(b, s, holders, children, wave, pos, ring_reduce_scatter, spans)
-        if collective != "reduce_scatter":
-            for s in range(len(stages), 0, -1):
-                _stage(b, s, holders, children, wave, pos, ring_allgather, spans)
+                _stage(b, s, holders, children, wave(w), pos, ring_reduce_scatter, spans)
+        if collective != "reduce_scatter" and w >= lag:
+            down(w - lag)
+    if collective != "reduce_scatter":
+        for w in range(max(0, waves - lag), waves):
+            down(w)
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
-                   span_pieces=spans,
+                   span_pieces=spans, lag=lag,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -249,7 +274,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         spans = next((q for q in SPAN_PIECES if k * _ops_per_wave(p, staged, collective, q) <= MAX_WAVE_OPS),
                      SPAN_PIECES[-1])
         return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
-                                     lift=lift, span_pieces=spans,
+                                     lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0,
                                      stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
 
     if not waved:
