@@ -59,8 +59,9 @@ of 1 gains less (1.035 on 2 x 8), 4 no more (1.012 there, 1.042 on 4 x 8). The d
 order are those without the lag: waves hold disjoint chunks.
 
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
-caught it: on the DGX A100 clusters sixteen waves (lifted) are predicted 1.4-2.2% faster than
-eight, on the oversubscribed leaf-spine 3% slower. Nor is every tier worth a stage: on the
+caught it: on the DGX A100 clusters sixteen waves (lifted) were predicted 1.4-2.2% faster than
+eight before the lag, on the oversubscribed leaf-spine 3% slower; with the lag, eight are best on
+the 2 x 8 cluster. Nor is every tier worth a stage: on the
 leaf-spine a ring over all eight hosts (two crossings of each rack's uplinks per ring) overlaps with
 the in-host stage better than a stage inside each rack and another across the racks, 1.016 of the
 bound against 1.080. So where the schedules are small enough to simulate in a moment
