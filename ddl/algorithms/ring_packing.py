@@ -1,10 +1,14 @@
-"""The best rings a small fabric holds, each hop routed over every path: ring packing.
+"""The best rings a small fabric holds, each hop routed over every path it may take: ring packing.
 
-``ring-channels`` runs rings as NCCL does: each hop of a ring takes its pair's usual route. On a box
-whose ranks are joined by more than one kind of path, that leaves capacity idle. A DGX-1's NVLink
-rings reach 150 GB/s of bus bandwidth while each GPU's PCIe link (12 GB/s more) stands by, so they
-end 8% short of the bound (162 GB/s, which counts PCIe). Here a ring's hop may go over any path
-between its two ranks, and the rings themselves are chosen among all Hamiltonian cycles.
+``ring-channels`` runs rings as NCCL does: each hop of a ring takes its pair's usual route, and the
+rings are a few candidates. Here the rings are chosen among all Hamiltonian cycles, and a hop
+between two ranks without a link of their own may be split over every path between them (the
+widest route is one of them). Ranks joined by a direct link keep to it: transports take that link
+and no other (a CUDA peer copy between GPUs joined by NVLink goes over NVLink, never through their
+PCIe switch), so a plan that split such a pair could not run as planned. On a DGX-1 that leaves
+PCIe the hops between GPUs without an NVLink, through switch uplinks that two GPUs share: 6 GB/s per
+GPU beside NVLink's 150, 156 GB/s of bus bandwidth at most, against the bound's 162 (which counts
+each GPU's 12 GB/s of PCIe).
 
 The programme, over rings ``j`` (rates ``x_j``) and paths ``t`` between rank pairs (flows ``y_t``)::
 
@@ -17,14 +21,16 @@ channels ``ring-channels`` picks; solve; price every rank pair at its row's dual
 that would raise the optimum is the Hamiltonian cycle of least total price below 1, which the
 Held-Karp dynamic programme finds exactly (M. Held and R. M. Karp, 1962; ``2^p p^2`` steps, hence
 :data:`MAX_RANKS`). Ties between rings of equal price go to hops over fewer links. When no ring
-prices below 1, the optimum over *all* rings is reached (162 GB/s on the DGX-1).
+prices below 1, the optimum over *all* rings is reached.
 
 Every ring is a channel that pays its own latencies and cuts its share into its own chunks, so a
-mixed integer programme (HiGHS) then keeps the fewest rings that hold :data:`KEEP` of that optimum
-(the DGX-1: its four NVLink rings, one of them at 62 GB/s with a fifth of every hop over PCIe). A
-last LP keeps the rates and sends each pair's traffic over the fewest links, and pins that split in
-:attr:`Schedule.routes`. Shares follow the rates closely (:data:`RATE_STEPS`): on the DGX-1, shares
-rounded to eighths predict 1.007 of the bound, to 64ths 1.002.
+mixed integer programme (HiGHS) then keeps the fewest rings that hold :data:`KEEP` of that optimum.
+A last LP keeps the rates and sends each pair's traffic over the fewest links, and pins that split
+in :attr:`Schedule.routes`. Shares follow the rates to 1/64 of the fastest (:data:`RATE_STEPS`):
+a ring of 6 GB/s beside ones of 50 is not rounded to an eighth. On the DGX-1 the optimum needs many
+thin PCIe rings: 16 rings, predicted at 152 GB/s (1.065 of the bound), 1% faster than
+ring-channels. On six ranks joined in a cycle by 25 GB/s links and, in pairs, under the leaves of
+a tree of 10 GB/s switches, it finds 55 GB/s of rings in four, against ring-channels' 50.
 
 Collectives: all four. It declines beyond :data:`MAX_RANKS`, where the fabric has one path per rank
 pair, and where it gains less than ring-channels' :data:`~ddl.algorithms.ring_channels.MIN_GAIN`
@@ -50,7 +56,7 @@ MAX_PATH_LINKS = 6        # paths between two ranks of at most this many links .
 MAX_PATHS = 16            # ... the shortest this many of them
 MAX_ROUNDS = 64           # rings generated at most
 KEEP = 0.995              # the rings kept hold at least this share of the optimum over all rings
-SELECT_SECONDS = 10.0     # time limit for choosing the fewest rings
+SELECT_SECONDS = 2.0      # time limit for choosing the fewest rings (the best found by then is kept)
 RATE_STEPS = 64           # channel shares are fractions of the fastest with denominators up to this
 PRICE_TOL = 1e-7          # a ring must price below 1 by this much to join
 TIE = 1e-4                # tie-break weight per link of a pair's shortest path (relative to price 1)
@@ -97,12 +103,18 @@ def pack_rings(topo):
 
 def rank_paths(topo):
     """``{(a, b): (path, ...)}``: for every ordered rank pair, the paths of at most
-    :data:`MAX_PATH_LINKS` links that pass through no other rank, the :data:`MAX_PATHS` shortest."""
+    :data:`MAX_PATH_LINKS` links that pass through no other rank, the :data:`MAX_PATHS` shortest; only
+    the direct link where the two ranks have one. Transports take that link and no other (a CUDA peer
+    copy between GPUs joined by NVLink goes over NVLink, never through their shared PCIe switch), so a
+    plan that split such a pair's traffic could not be run as planned."""
     graph = topo.usable_graph()
     ranks = list(topo.ranks)
     others = set(ranks)
     paths = {}
     for a, b in itertools.permutations(range(len(ranks)), 2):
+        if graph.has_edge(ranks[a], ranks[b]):
+            paths[(a, b)] = ((ranks[a], ranks[b]),)
+            continue
         allowed = graph.subgraph([v for v in graph if v not in others or v in (ranks[a], ranks[b])])
         found = sorted((tuple(x) for x in nx.all_simple_paths(allowed, ranks[a], ranks[b], cutoff=MAX_PATH_LINKS)),
                        key=lambda x: (len(x), x))
