@@ -62,7 +62,8 @@ REDUNDANT = {
     "tiered-exchange": repeats_doubling,
 }
 
-__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "ring_channels", "ring_packing", "halving_doubling", "double_binary_tree", "hierarchical",
-           "multicommodity_flow", "tree_packing", "direct_link_trees", "reduce_broadcast_trees", "recursive_doubling", "ring_order",
-           "ring_schedule", "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule",
-           "hierarchical_schedule", "tiered_exchange", "tiered_exchange_schedule"]
+__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "ring_channels", "ring_packing", "halving_doubling",
+           "double_binary_tree", "hierarchical", "multicommodity_flow", "tree_packing", "direct_link_trees",
+           "reduce_broadcast_trees", "recursive_doubling", "ring_order", "ring_schedule",
+           "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule", "hierarchical_schedule",
+           "tiered_exchange", "tiered_exchange_schedule"]

@@ -177,17 +177,16 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     spans = span_pieces if collective == "allreduce" else None
     lag = max(0, int(lag)) if collective == "allreduce" else 0
 
-    def wave(w):
-        return {t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()}
+    wave = [{t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()} for w in range(waves)]
 
     def down(w):
         for s in range(len(stages), 0, -1):
-            _stage(b, s, holders, children, wave(w), pos, ring_allgather, spans)
+            _stage(b, s, holders, children, wave[w], pos, ring_allgather, spans)
 
     for w in range(waves):
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
-                _stage(b, s, holders, children, wave(w), pos, ring_reduce_scatter, spans)
+                _stage(b, s, holders, children, wave[w], pos, ring_reduce_scatter, spans)
         if collective != "reduce_scatter" and w >= lag:
             down(w - lag)
     if collective != "reduce_scatter":

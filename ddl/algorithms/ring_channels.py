@@ -50,7 +50,7 @@ def ring_channels(topo, collective, *, root=0, nbytes=None):
     check_request(NAME, collective, p, root)
     if p < 3:
         raise PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
-    per_ring = 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
+    per_ring = ring_ops(p, collective)
     if 2 * per_ring > MAX_OPS:
         raise PlanError(f"{NAME}: two channels on {p} ranks take {2 * per_ring} operations "
                         f"(limit {MAX_OPS}); 'ring' and 'hierarchical' plan this size")
@@ -58,11 +58,26 @@ def ring_channels(topo, collective, *, root=0, nbytes=None):
     if len(orders) < 2:
         raise PlanError(f"{NAME}: one ring already uses every way out of each group that more rings "
                         f"could (it would repeat 'ring')")
-    weights = integer_weights(rates)
-    most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(orders) * per_ring)))   # chunks per ring block
+    return rated_channels(orders, rates, collective, nbytes, root)
+
+
+def ring_ops(p, collective):
+    """Operations of one ring channel of ``p`` ranks, a chunk per ring block: a send and a receive per
+    step, ``p - 1`` steps each way for an allreduce."""
+    return 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
+
+
+def rated_channels(orders, rates, collective, nbytes, root=0, steps=WEIGHT_STEPS, algorithm=NAME, **info):
+    """:func:`channels_schedule` for channels running at ``rates``: shares in proportion to them
+    (fractions with denominators up to ``steps``), each ring block pipelined in as many chunks as its
+    share allows and the operation budget (:data:`MAX_OPS`) holds for all channels."""
+    p = len(orders[0])
+    weights = integer_weights(rates, steps)
+    most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(orders) * ring_ops(p, collective))))   # chunks per ring block
     ks = [pipeline_depth(nbytes * w / sum(weights) if nbytes else nbytes, 1 if collective == "broadcast" else p,
                          max_k=most, max_chunks=MAX_CHUNKS) for w in weights]
-    return channels_schedule(orders, weights, collective, ks, root, channel_rates=[float(r) for r in rates])
+    return channels_schedule(orders, weights, collective, ks, root, algorithm=algorithm,
+                             channel_rates=[float(r) for r in rates], **info)
 
 
 def candidate_orders(topo):

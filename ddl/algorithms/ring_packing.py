@@ -46,9 +46,8 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..errors import PlanError
 from .multicommodity_flow import repeats_a_base
-from .ring import MAX_CHUNKS, MAX_PIPELINE, check_request, pipeline_depth
-from .ring_channels import (MAX_CHANNELS, MAX_OPS, MIN_GAIN, candidate_orders, channels_schedule,
-                            choose_channels, integer_weights)
+from .ring import check_request
+from .ring_channels import MAX_CHANNELS, MIN_GAIN, candidate_orders, choose_channels, rated_channels
 
 NAME = "ring-packing"
 MAX_RANKS = 12            # Held-Karp prices a ring in 2^(p-1) p^2 steps
@@ -70,13 +69,8 @@ def ring_packing(topo, collective, *, root=0, nbytes=None):
     if isinstance(packed, PlanError):
         raise packed
     cycles, rates, routes, generated = packed
-    per_ring = 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
-    weights = integer_weights(rates, RATE_STEPS)
-    most = max(1, min(MAX_PIPELINE, MAX_OPS // (len(cycles) * per_ring)))
-    ks = [pipeline_depth(nbytes * w / sum(weights) if nbytes else nbytes, 1 if collective == "broadcast" else p,
-                         max_k=most, max_chunks=MAX_CHUNKS) for w in weights]
-    return channels_schedule(cycles, weights, collective, ks, root, algorithm=NAME, routes=routes,
-                             channel_rates=list(rates), rings_generated=generated)
+    return rated_channels(cycles, rates, collective, nbytes, root, RATE_STEPS, NAME, routes=routes,
+                          rings_generated=generated)
 
 
 @functools.lru_cache(maxsize=16)
@@ -143,8 +137,9 @@ class RingPacking:
         self.unit = float(cap.max())           # rates in units of the widest link: a well-scaled LP
         self.cap = cap / self.unit
         self.link_paths = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(links), len(self.paths)))
-        self.pair_paths = sp.csr_matrix((np.ones(len(self.paths)), ([i for i, _ in self.paths], range(len(self.paths)))),
-                                        shape=(len(self.pairs), len(self.paths)))
+        pair_of = [i for i, _ in self.paths]
+        self.pair_paths = sp.csr_matrix((np.ones(len(pair_of)), (pair_of, range(len(pair_of)))),
+                                        shape=(len(self.pairs), len(pair_of)))
         self.length = np.array([len(path) - 1 for _, path in self.paths], dtype=float)
         fewest = {}
         for (i, _), n in zip(self.paths, self.length):
@@ -159,15 +154,16 @@ class RingPacking:
         rings, starting from ``cycles``; rates in bytes/s per hop, routes as :attr:`Schedule.routes`."""
         cycles = [list(c) for c in cycles]
         seen = {tuple(c) for c in cycles}
-        for _ in range(MAX_ROUNDS):
-            _, _, prices = self._lp(cycles)
+        while True:
+            best, _, prices = self._lp(cycles)
+            if self.generated == MAX_ROUNDS:
+                break
             cycle, price = self.cheapest_ring(prices)
             if price >= 1 - PRICE_TOL or tuple(cycle) in seen:
                 break
             cycles.append(cycle)
             seen.add(tuple(cycle))
             self.generated += 1
-        best, _, _ = self._lp(cycles)
         kept = self._fewest(cycles, best)
         cycles = [cycles[j] for j in kept]
         _, rates, _ = self._lp(cycles)
