@@ -23,6 +23,13 @@ from the topology alone:
   partition bound (the groups of a partition gossip: ``2(j-1)`` crossings per byte), which is exact
   where Blink's reduce-broadcast tree packing runs without switches, and equals twice the allgather
   bound on every uniform fabric and tier.
+* **Direct links** (:func:`transfer_bound`). Transports take the direct link between two ranks that
+  have one (a CUDA peer copy between GPUs joined by NVLink never goes through their PCIe switch), and
+  switches forward without copying. So between the groups of a partition only so many bytes can move
+  per second: an LP routes one commodity per sending rank, and allgather needs ``j - 1`` transfers per
+  byte between ``j`` groups, allreduce ``2(j - 1)``. Where two ranks of different groups share a
+  direct link this can beat the bounds above, which let their traffic take the paths beside the link
+  too (DGX-1 with its PCIe: 156 GB/s of bus bandwidth, not 162; tree packing reaches it).
 * **Latency** (:func:`latency_bound`): in the round model, ``ceil(log2 p)`` rounds of the smallest
   rank-to-rank latency, and no fewer rounds across each latency tier (hosts, racks) than the tier's
   groups need to hear from everyone, each as slow as the tier.
@@ -54,7 +61,8 @@ from .errors import PlanError
 
 __all__ = [
     "COLLECTIVES", "CutBound", "AllreduceBound", "Bound",
-    "cut_bound", "allreduce_bound", "allreduce_bound_graph", "bandwidth_bound", "latency_bound",
+    "cut_bound", "allreduce_bound", "allreduce_bound_graph", "transfer_bound", "transfer_bound_graph",
+    "TransferBound", "bandwidth_bound", "latency_bound",
     "lower_bound", "min_rank_latency", "latency_rounds", "rank_latency_matrix",
     "cut_bound_graph", "broadcast_bandwidth_graph", "reduce_bandwidth_graph", "min_rank_latency_graph",
     "bandwidth_bound_graph", "latency_bound_graph", "lower_bound_graph",
@@ -401,6 +409,112 @@ def allreduce_bound_graph(graph, ranks):
 
 
 # ----------------------------------------------------------------------------------------------------
+# transfers over direct links (the routed partition bound)
+
+TRANSFER_BOUND_MAX_RANKS = 64      # above this many rank vertices the LP is skipped (the bound stays valid)
+
+
+class TransferBound(NamedTuple):
+    """A partition bound in which transfers are routed as transports route them.
+
+    Every transfer between the ``groups`` (a tuple of frozensets of vertices) is a message from a rank
+    of one group to a rank of another: it passes through no rank, switches forward it without copying
+    it, and ranks joined by a direct link exchange over that link alone (a CUDA peer copy between GPUs
+    joined by NVLink never goes through their PCIe switch). ``bandwidth`` is the largest total rate of
+    such messages the fabric carries at once. Allgather needs ``j - 1`` transfers per byte of the
+    buffer between ``j`` groups (every group must take in what the others contribute) and allreduce
+    ``2(j - 1)`` (the gossip count of :func:`allreduce_bound_graph`): ``seconds_per_byte`` is allgather's
+    ``(j - 1) / bandwidth``, allreduce's is twice that. 0 where no two ranks of different groups share
+    a direct link: the other bounds then say all this one could.
+    """
+    seconds_per_byte: float
+    groups: tuple
+    bandwidth: float
+
+
+def _direct_pairs(net, rank_idx):
+    """``({(tail, head)}, is_rank)``: vertex indices of the links that join two rank vertices, and a
+    mask of the rank vertices."""
+    is_rank = np.zeros(net.n, dtype=bool)
+    is_rank[rank_idx] = True
+    tail, head = net.tail[:net.m], net.head[:net.m]
+    both = is_rank[tail] & is_rank[head]
+    return set(zip(tail[both].tolist(), head[both].tolist())), is_rank
+
+
+def _transfer_bandwidth(net, rank_idx, labels, direct, is_rank):
+    """Largest total rate of messages between ranks of different groups (``labels`` per vertex), one
+    commodity per sending rank vertex, as :class:`TransferBound` routes them: an LP solved by HiGHS."""
+    from scipy.optimize import linprog
+
+    tail, head, cap = net.tail[:net.m], net.head[:net.m], net.cap
+    var_k, var_edge = [], []
+    for k, s in enumerate(rank_idx.tolist()):
+        # s sends, transit vertices forward, ranks of other groups receive: those s has a direct
+        # link to over that link alone
+        ok = ((tail == s) | ~is_rank[tail]) & (head != s)
+        ok &= ~is_rank[head] | (labels[head] != labels[s])
+        linked = np.isin(head, [h for t, h in direct if t == s])
+        ok &= ~linked | (tail == s)
+        edges = np.flatnonzero(ok)
+        var_k.append(np.full(len(edges), k))
+        var_edge.append(edges)
+    src_k, var_edge = np.concatenate(var_k), np.concatenate(var_edge)
+    nvar = len(var_edge)
+    if nvar == 0:
+        return 0.0
+    vt, vh = tail[var_edge], head[var_edge]
+    # conservation at every transit vertex, per sender
+    rows_out = src_k * net.n + vt
+    rows_in = src_k * net.n + vh
+    keep_out, keep_in = ~is_rank[vt], ~is_rank[vh]
+    rows = np.concatenate([rows_out[keep_out], rows_in[keep_in]])
+    cols = np.concatenate([np.flatnonzero(keep_out), np.flatnonzero(keep_in)])
+    vals = np.concatenate([np.ones(int(keep_out.sum())), -np.ones(int(keep_in.sum()))])
+    used, rows = np.unique(rows, return_inverse=True)
+    a_eq = sp.csr_array((vals, (rows, cols)), shape=(len(used), nvar))
+    a_ub = sp.csr_array((np.ones(nvar), (var_edge, np.arange(nvar))), shape=(net.m, nvar))
+    top = float(cap.max())
+    objective = -(is_rank[vh]).astype(float)
+    res = linprog(objective, A_ub=a_ub, b_ub=cap / top, A_eq=a_eq, b_eq=np.zeros(len(used)),
+                  bounds=(0, None), method="highs")
+    if res.status != 0:     # pragma: no cover - the LP is feasible (0) and bounded (capacities)
+        raise PlanError(f"the transfer bound's LP failed: {res.message}")
+    return -res.fun * top
+
+
+def transfer_bound_graph(graph, ranks):
+    """:class:`TransferBound` on ``(graph, ranks)``: the largest ``(j - 1) / bandwidth`` over the
+    partitions of :func:`_partition_candidates` in which two ranks of different groups share a direct
+    link. Any partition gives a valid bound; with those links it can beat the cut and partition bounds,
+    which let such a pair's traffic take the slower paths beside its link too (on a DGX-1 the PCIe
+    switch two NVLinked GPUs share: 156 GB/s of allreduce bus bandwidth instead of 162)."""
+    mult = Counter(ranks)
+    none = TransferBound(0.0, (), math.inf)
+    if len(mult) < 2 or len(mult) > TRANSFER_BOUND_MAX_RANKS:
+        return none
+    net = _Network(graph)
+    rank_idx = np.array([net.index[v] for v in mult])
+    direct, is_rank = _direct_pairs(net, rank_idx)
+    if not direct:
+        return none
+    best, seen = none, set()
+    for labels in _partition_candidates(net):
+        key = tuple(labels[rank_idx])
+        j = len(set(key))
+        if j < 2 or key in seen or all(labels[a] == labels[b] for a, b in direct):
+            continue
+        seen.add(key)
+        bandwidth = _transfer_bandwidth(net, rank_idx, labels, direct, is_rank)
+        spb = math.inf if bandwidth <= 0 else (j - 1) / bandwidth
+        if spb > best.seconds_per_byte:
+            groups = tuple(frozenset(net.vertices[i] for i in np.flatnonzero(labels == g))
+                           for g in sorted(set(key)))
+            best = TransferBound(spb, groups, bandwidth)
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------
 # broadcast / reduce (Edmonds: rooted min cut)
 
 
@@ -590,15 +704,22 @@ def allreduce_bound(topo):
                    lambda: allreduce_bound_graph(topo.usable_graph(), list(topo.ranks)))
 
 
+def transfer_bound(topo):
+    """:class:`TransferBound` of ``topo``, cached per topology fingerprint. The same on the reversed
+    fabric (reverse every message), so it bounds reduce-scatter as it bounds allgather."""
+    return _cached((topo.fingerprint, "transfers"),
+                   lambda: transfer_bound_graph(topo.usable_graph(), list(topo.ranks)))
+
+
 def min_rank_latency(topo):
     """Smallest rank-to-rank path latency of ``topo`` (s), cached per fingerprint."""
     return _cached((topo.fingerprint, "latency"),
                    lambda: min_rank_latency_graph(topo.usable_graph(), list(topo.ranks)))
 
 
-def _bandwidth_seconds(collective, nbytes, p, cut, root_rate, allreduce):
-    """Shared by the graph and Topology forms; ``cut(reverse)``, ``root_rate()`` and ``allreduce()``
-    compute lazily."""
+def _bandwidth_seconds(collective, nbytes, p, cut, root_rate, allreduce, transfers):
+    """Shared by the graph and Topology forms; ``cut(reverse)``, ``root_rate()``, ``allreduce()`` and
+    ``transfers()`` compute lazily."""
     _check(collective)
     if p <= 1 or nbytes == 0:
         return 0.0
@@ -606,8 +727,8 @@ def _bandwidth_seconds(collective, nbytes, p, cut, root_rate, allreduce):
         rate = root_rate()
         return 0.0 if math.isinf(rate) else (math.inf if rate == 0 else nbytes / rate)
     if collective == "allreduce":
-        return nbytes * allreduce().seconds_per_byte
-    return nbytes * cut(collective == "reduce_scatter").seconds_per_byte
+        return nbytes * max(allreduce().seconds_per_byte, 2 * transfers().seconds_per_byte)
+    return nbytes * max(cut(collective == "reduce_scatter").seconds_per_byte, transfers().seconds_per_byte)
 
 
 def _latency_seconds(collective, p, tiers):
@@ -633,7 +754,7 @@ def bandwidth_bound_graph(graph, ranks, collective, nbytes, root=0):
             memo[reverse] = _cut_for(graph, ranks, reverse)
         return memo[reverse]
     return _bandwidth_seconds(collective, nbytes, len(ranks), cut, lambda: fn(graph, ranks, root)[0],
-                              lambda: allreduce_bound_graph(graph, ranks))
+                              lambda: allreduce_bound_graph(graph, ranks), lambda: transfer_bound_graph(graph, ranks))
 
 
 def latency_bound_graph(graph, ranks, collective):
@@ -666,7 +787,7 @@ def bandwidth_bound(topo, collective, nbytes, root=0):
         return _cached((topo.fingerprint, collective, root),
                        lambda: fn(topo.usable_graph(), list(topo.ranks), root))[0]
     return _bandwidth_seconds(collective, nbytes, topo.nranks, lambda rev: cut_bound(topo, rev), root_rate,
-                              lambda: allreduce_bound(topo))
+                              lambda: allreduce_bound(topo), lambda: transfer_bound(topo))
 
 
 def latency_bound(topo, collective):

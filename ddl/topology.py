@@ -151,9 +151,11 @@ class Topology:
     def routes(self, i, j):
         """Paths (tuples of vertex ids) from rank ``i`` to rank ``j`` that data should take.
 
-        The widest paths (largest bottleneck capacity) and among those the fewest hops; every tied path
-        (ECMP), sorted. Intermediate vertices are transit vertices only. ``i == j`` gives the one-vertex
-        path. Cached per pair."""
+        Ranks joined by a direct link use that link alone: peer-to-peer transports take it and no other
+        path (a CUDA peer copy between GPUs joined by NVLink never goes through their PCIe switch).
+        Otherwise the widest paths (largest bottleneck capacity) and among those the fewest hops; every
+        tied path (ECMP), sorted. Intermediate vertices are transit vertices only. ``i == j`` gives the
+        one-vertex path. Cached per pair."""
         return self._route_entry(i, j)[0]
 
     def route_bandwidth(self, i, j):
@@ -181,6 +183,9 @@ class Topology:
     def _compute_routes(self, i, j):
         if i == j:
             return ((self._spec.ranks[i],),), math.inf
+        a, b = self._spec.ranks[i], self._spec.ranks[j]
+        if self._usable.has_edge(a, b):
+            return ((a, b),), self._usable[a][b]["capacity"]
         source, target = (self._spec.ranks[i], _SEND), (self._spec.ranks[j], _RECV)
         level = bisect.bisect_left(range(len(self._levels)), True,
                                    key=lambda k: self._reachable(k, source, target))

@@ -627,3 +627,65 @@ def test_allreduce_bound_degenerate_cases():
     assert bounds.allreduce_bound_graph(g, ["gpu0", "gpu0", "gpu1"]).seconds_per_byte == pytest.approx(1 / (30 * GB))
     g.add_node("lonely")
     assert math.isinf(bounds.allreduce_bound_graph(g, ["gpu0", "gpu1", "lonely"]).seconds_per_byte)
+
+
+# ---------------------------------------------------------------------------------------------------
+# transfers routed as transports route them (direct links alone)
+
+
+def test_a_direct_link_is_all_two_gpus_have():
+    """Two GPUs joined by 25 GB/s of NVLink and by 12 GB/s each to a PCIe switch: the cut bound sees
+    37 GB/s leave each GPU, but a peer copy between them takes NVLink, so 25 is all there is."""
+    g = nx.DiGraph()
+    link(g, "gpu0", "gpu1", 25 * GB)
+    link(g, "gpu0", "pcie", 12 * GB)
+    link(g, "gpu1", "pcie", 12 * GB)
+    ranks = ["gpu0", "gpu1"]
+    assert cut_bound_graph(g, ranks).bandwidth_out == 37 * GB
+    tb = bounds.transfer_bound_graph(g, ranks)
+    assert tb.bandwidth == pytest.approx(50 * GB, rel=1e-9)          # 25 GB/s each way
+    for collective in ("allgather", "reduce_scatter", "allreduce"):
+        t = bandwidth_bound_graph(g, ranks, collective, N)
+        assert busbw(collective, N, t, 2) == pytest.approx(25 * GB, rel=1e-9)
+    # without the direct link the switch carries it all, and the bound is the switch's
+    g.remove_edges_from([("gpu0", "gpu1"), ("gpu1", "gpu0")])
+    assert bounds.transfer_bound_graph(g, ranks).seconds_per_byte == 0.0
+    assert busbw("allreduce", N, bandwidth_bound_graph(g, ranks, "allreduce", N), 2) == pytest.approx(12 * GB)
+
+
+def test_dgx1_with_pcie_bound_is_156():
+    """NVLink alone: 150 GB/s of allreduce bus bandwidth. Each GPU's 12 GB/s of PCIe would make 162,
+    but only hops between GPUs without NVLink use PCIe, and two GPUs share each switch's 12 GB/s
+    uplink: 8 x 150 + 4 x 12 GB/s of transfers, 156 per GPU."""
+    from ddl.topology import Topology
+
+    topo = Topology.load("topologies/dgx1-v100.yaml")
+    assert 2 * 7 / 8 / bounds.allreduce_bound(topo).seconds_per_byte == pytest.approx(162 * GB)
+    assert bounds.transfer_bound(topo).bandwidth == pytest.approx((8 * 150 + 4 * 12) * GB, rel=1e-9)
+    assert busbw("allreduce", N, bandwidth_bound(topo, "allreduce", N), 8) == pytest.approx(156 * GB, rel=1e-9)
+    assert busbw("allgather", N, bandwidth_bound(topo, "allgather", N), 8) == pytest.approx(156 * GB, rel=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_transfer_bound_never_exceeds_the_tree_packing_optimum(rng):
+    """Tree packing's LP is exact over every tree whose edges take the routes transports take, so
+    it bounds the transfer bound from above on every fabric, direct links and switches mixed."""
+    from ddl.algorithms.tree_packing import tree_packing
+    from ddl.topology import Topology
+
+    p = rng.randint(2, 5)
+    nsw = rng.randint(1, 3)
+    links = [{"a": f"s{i}", "b": f"s{rng.randrange(i)}", "bandwidth": rng.choice([4, 10, 25]) * GB}
+             for i in range(1, nsw)]
+    for r in range(p):
+        links.append({"a": f"g{r}", "b": f"s{rng.randrange(nsw)}", "bandwidth": rng.choice([4, 10, 25]) * GB})
+        links += [{"a": f"g{r}", "b": f"g{q}", "bandwidth": rng.choice([4, 10, 25]) * GB}
+                  for q in range(r) if rng.random() < 0.5]
+    topo = Topology.from_dict({"name": "mixed",
+                               "nodes": [{"id": f"s{i}", "kind": "switch"} for i in range(nsw)]
+                               + [{"id": f"g{r}", "kind": "gpu"} for r in range(p)],
+                               "links": links, "ranks": [f"g{r}" for r in range(p)]})
+    lp = tree_packing(topo, "allgather", nbytes=N).info["seconds_per_byte"]
+    assert bounds.transfer_bound(topo).seconds_per_byte <= lp * (1 + 1e-6)
+    assert bandwidth_bound(topo, "allgather", N) <= lp * N * (1 + 1e-6)

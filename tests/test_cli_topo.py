@@ -78,6 +78,14 @@ def test_show_prints_hosts_tiers_links_and_cut():
     assert "limiting cut" in out and "algbw <= 25 MB/s" in out
 
 
+def test_show_names_the_direct_link_bound():
+    proc = ddl("topo", "show", ZOO / "dgx1-v100.yaml")
+    assert proc.returncode == 0, proc.stderr
+    allreduce = [line for line in proc.stdout.splitlines() if "allreduce algbw <=" in line]
+    assert len(allreduce) == 1
+    assert "busbw <= 156 GB/s" in allreduce[0] and "direct link over it alone" in allreduce[0]
+
+
 def test_show_large_hierarchy_is_compact():
     proc = ddl("topo", "show", ZOO / "ibm-3tier-192.yaml")
     assert proc.returncode == 0, proc.stderr

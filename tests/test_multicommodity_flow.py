@@ -27,9 +27,24 @@ MiB = 1 << 20
 
 
 def two_paths():
-    """Two GPUs: NVLink 25 GB/s direct, and a PCIe path of 12 GB/s through a PCIe switch."""
+    """Two hosts, each with two NICs: one on a 25 GB/s switch, one on a 12 GB/s rail of two switches."""
     return Topology.from_dict({
         "name": "two-paths",
+        "nodes": [{"id": "g0", "kind": "cpu"}, {"id": "g1", "kind": "cpu"},
+                  {"id": "fast", "kind": "switch"}, {"id": "sw", "kind": "switch"},
+                  {"id": "sw2", "kind": "switch"}],
+        "links": [{"a": "g0", "b": "fast", "bandwidth": "25 GB/s"},
+                  {"a": "g1", "b": "fast", "bandwidth": "25 GB/s"},
+                  {"a": "g0", "b": "sw", "bandwidth": "12 GB/s"},
+                  {"a": "sw", "b": "sw2", "bandwidth": "12 GB/s"},
+                  {"a": "g1", "b": "sw2", "bandwidth": "12 GB/s"}],
+        "ranks": ["g0", "g1"]})
+
+
+def nvlink_and_pcie():
+    """Two GPUs: NVLink 25 GB/s direct, and a PCIe path of 12 GB/s through their PCIe switch."""
+    return Topology.from_dict({
+        "name": "nvlink-and-pcie",
         "nodes": [{"id": "g0", "kind": "gpu"}, {"id": "g1", "kind": "gpu"}, {"id": "sw", "kind": "pcie"}],
         "links": [{"a": "g0", "b": "g1", "bandwidth": "25 GB/s"},
                   {"a": "g0", "b": "sw", "bandwidth": "12 GB/s"},
@@ -117,7 +132,8 @@ def reference_T(topo, demands):
     for k, (s, d) in enumerate(pairs):
         vs, vd = topo.ranks[s], topo.ranks[d]
         usable = [i for i, (u, v) in enumerate(edges)
-                  if (u == vs or u not in rank_vertices) and (v == vd or v not in rank_vertices)]
+                  if (u == vs or u not in rank_vertices) and (v == vd or v not in rank_vertices)
+                  and (v != vd or u == vs or not graph.has_edge(vs, vd))]    # a direct link alone
         base_row = k * len(verts)
         for i in usable:
             j = len(cols)
@@ -152,8 +168,8 @@ def test_two_paths_split_by_capacity_and_simulated_time():
     nbytes = 256 * MiB
     routing = solve_commodities(topo, {(0, 1): nbytes})
     shares = dict(routing.routes[(0, 1)])
-    assert shares[("g0", "g1")] == pytest.approx(25 / 37, rel=1e-5)      # T slack of 1e-6
-    assert shares[("g0", "sw", "g1")] == pytest.approx(12 / 37, rel=1e-5)
+    assert shares[("g0", "fast", "g1")] == pytest.approx(25 / 37, rel=1e-5)      # T slack of 1e-6
+    assert shares[("g0", "sw", "sw2", "g1")] == pytest.approx(12 / 37, rel=1e-5)
     assert routing.seconds == pytest.approx(nbytes / (37 * GB), rel=1e-6)
     assert routing.max_utilisation == pytest.approx(1.0, rel=1e-5)
 
@@ -166,10 +182,26 @@ def test_two_paths_split_by_capacity_and_simulated_time():
     # whatever the base (tree packing too, when registered), the prediction is the two paths' sum
     auto = multicommodity_flow(topo, "broadcast", nbytes=nbytes)
     assert simulate(topo, auto, nbytes).seconds == pytest.approx(nbytes / (37 * GB), abs=5e-6)
-    # a tiny message is latency-bound: the longer PCIe path would only add latency, so no split
+    # a tiny message is latency-bound: the longer, slower rail would only add latency, so no split
     small = multicommodity_flow(topo, "broadcast", nbytes=64, bases=("ring",))
     assert small.info["routing"] == "base"
     assert simulate(topo, small, 64).seconds == pytest.approx(simulate(topo, widest, 64).seconds)
+
+
+def test_direct_link_is_never_split():
+    """A peer copy between GPUs joined by NVLink takes NVLink: the LP must not plan part of it through
+    their PCIe switch (no transport could run that), and the fabric's own route is the link alone."""
+    topo = nvlink_and_pcie()
+    assert topo.routes(0, 1) == (("g0", "g1"),)
+    nbytes = 256 * MiB
+    routing = solve_commodities(topo, {(0, 1): nbytes, (1, 0): nbytes})
+    assert routing.routes == {(0, 1): ((("g0", "g1"), 1.0),), (1, 0): ((("g1", "g0"), 1.0),)}
+    assert routing.seconds == pytest.approx(nbytes / (25 * GB), rel=1e-6)
+    sched = multicommodity_flow(topo, "allreduce", nbytes=nbytes)
+    verify(sched)
+    assert sched.info["routing"] == "base"
+    used = {e for paths in sched.routes.values() for path, _ in paths for e in zip(path[:-1], path[1:])}
+    assert used <= {("g0", "g1"), ("g1", "g0")}
 
 
 # ---- (2) leaf-spine with two spines, interleaved ring ------------------------------------------------
@@ -309,7 +341,7 @@ def test_single_path_topology_equals_base_prediction():
 
 # ---- (5) DGX-1: NVLink and PCIe together -------------------------------------------------------------
 @pytest.mark.parametrize("nbytes", [4 << 10, 256 * MiB])
-def test_dgx1_ring_over_nvlink_and_pcie_not_slower(nbytes):
+def test_dgx1_ring_hops_stay_on_nvlink(nbytes):
     topo = Topology.load("topologies/dgx1-v100.yaml")
     ring = ALGORITHMS["ring"](topo, "allreduce", nbytes=nbytes)
     t_ring = simulate(topo, ring, nbytes).seconds
@@ -319,12 +351,13 @@ def test_dgx1_ring_over_nvlink_and_pcie_not_slower(nbytes):
     assert sched.programs == ring.programs
     t_mcf = simulate(topo, sched, nbytes).seconds
     assert t_mcf <= t_ring * (1 + 1e-9)
-    if nbytes >= MiB:
-        assert sched.info["routing"] == "lp"
-        assert t_mcf < 0.85 * t_ring                       # ~62 GB/s per hop instead of 50
-        pcie = {e for paths in sched.routes.values() for path, _ in paths
-                for e in zip(path[:-1], path[1:]) if "pcie" in e[0] or "pcie" in e[1]}
-        assert pcie
+    # every hop of the ring joins GPUs linked by NVLink: a transport takes NVLink between them, so
+    # the LP may not send part of a hop through their PCIe switch (62 GB/s per hop on paper)
+    graph = topo.usable_graph()
+    assert all(graph.has_edge(topo.ranks[a], topo.ranks[b]) for a, b in sched.routes)
+    assert sched.info["routing"] == "base"
+    assert all(paths == (((topo.ranks[a], topo.ranks[b]), 1.0),) for (a, b), paths in sched.routes.items())
+    assert t_mcf == pytest.approx(t_ring, rel=1e-12)
 
 
 # ---- size: 192 ranks ---------------------------------------------------------------------------------

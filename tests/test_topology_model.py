@@ -104,13 +104,22 @@ def test_ecmp_two_spines_give_two_routes():
 
 
 def test_widest_beats_shortest_and_fewest_hops_break_ties():
-    topo = Topology("wide", [("g0", "gpu"), ("g1", "gpu"), ("s", "switch"), ("t", "switch"), ("u", "switch")],
-                    [Link("g0", "g1", 1 * GB),                       # direct but narrow
-                     Link("g0", "s", 10 * GB), Link("s", "g1", 10 * GB),  # 2 hops, wide
-                     Link("g0", "t", 10 * GB), Link("t", "u", 10 * GB), Link("u", "g1", 10 * GB)],  # 3 hops
+    topo = Topology("wide", [("g0", "gpu"), ("g1", "gpu")] + [(x, "switch") for x in "stuvw"],
+                    [Link("g0", "v", 1 * GB), Link("v", "g1", 1 * GB),                        # 2 hops, narrow
+                     Link("g0", "s", 10 * GB), Link("s", "w", 10 * GB), Link("w", "g1", 10 * GB),  # 3 hops
+                     Link("g0", "t", 10 * GB), Link("t", "u", 10 * GB), Link("u", "w", 10 * GB)],  # 4 hops
                     ["g0", "g1"])
-    assert topo.routes(0, 1) == (("g0", "s", "g1"),)
+    assert topo.routes(0, 1) == (("g0", "s", "w", "g1"),)
     assert topo.route_bandwidth(0, 1) == 10 * GB
+
+
+def test_a_direct_link_is_the_route_even_when_narrow():
+    # a CUDA peer copy between GPUs joined by NVLink takes NVLink, never the switch beside it
+    topo = Topology("direct", [("g0", "gpu"), ("g1", "gpu"), ("s", "switch")],
+                    [Link("g0", "g1", 1 * GB), Link("g0", "s", 10 * GB), Link("s", "g1", 10 * GB)],
+                    ["g0", "g1"])
+    assert topo.routes(0, 1) == (("g0", "g1"),) and topo.routes(1, 0) == (("g1", "g0"),)
+    assert topo.route_bandwidth(0, 1) == 1 * GB
 
 
 def test_directed_links_make_routes_asymmetric():

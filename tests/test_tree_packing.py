@@ -316,15 +316,18 @@ def test_direct_link_trees_use_nvlink_only_on_the_dgx1():
     assert graph.number_of_edges() == 2 * (len(DGX1_DOUBLE) + len(DGX1_SINGLE))
     sched = tp.direct_link_trees(topo, "allreduce", nbytes=N)
     assert sched.algorithm == "direct-link-trees"
-    # the NVLink optimum (150 GB/s bus bandwidth), not the 162 GB/s that PCIe and QPI add
+    # the NVLink optimum (150 GB/s bus bandwidth), not the 156 GB/s that PCIe and QPI add between
+    # GPUs without NVLink (the full packing reaches the bound: GPUs with NVLink exchange over it alone)
     assert 2 * 7 / 8 / sched.info["seconds_per_byte"] == pytest.approx(150 * GB, rel=1e-3)
     ranks = set(topo.ranks)
     assert all(len(path) == 2 and set(path) <= ranks for routes in sched.routes.values() for path, _ in routes)
     full = tree_packing(topo, "allreduce", nbytes=N)
+    assert 2 * 7 / 8 / full.info["seconds_per_byte"] == pytest.approx(156 * GB, rel=1e-3)
+    assert full.info["seconds_per_byte"] * N == pytest.approx(lower_bound(topo, "allreduce", N).seconds, rel=1e-3)
     assert sum(sched.info["trees"]) < sum(full.info["trees"]) / 4
     # fewer trees lose less to links shared fairly among them: faster although the LP is slower
     seconds = simulate(topo, sched, N).seconds
-    assert seconds < 0.95 * simulate(topo, full, N).seconds
+    assert seconds < simulate(topo, full, N).seconds
     assert seconds < 1.13 * lower_bound(topo, "allreduce", N).seconds
     for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
         verify(tp.direct_link_trees(topo, collective, root=5, nbytes=8 << 20))

@@ -363,6 +363,9 @@ class _Fabric:
         tails = np.array([tail(u) for u, _, _ in edges], dtype=np.int64)
         heads = np.array([head(v) for _, v, _ in edges], dtype=np.int64)
         self.link_of = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(tails, heads))}
+        # rank pairs joined by a direct link: (send copy, receive copy, link id)
+        self.direct = np.array([(a, b, i) for (a, b), i in sorted(self.link_of.items())
+                                if a < p and p <= b < 2 * p], dtype=np.int64).reshape(-1, 3)
         self.nnodes = len(self.node_vertex)
         self.p = p
         self._order = np.lexsort((heads, tails))
@@ -371,9 +374,14 @@ class _Fabric:
 
     def shortest(self, price):
         """Rank-to-rank shortest paths under link ``price`` (> 0) that never pass through a rank:
-        ``(cost matrix p x p with inf diagonal, predecessor matrix)``."""
+        ``(cost matrix p x p with inf diagonal, predecessor matrix)``. Ranks joined by a direct link
+        use it alone, whatever it costs: a transport between them takes that link (a CUDA peer copy
+        between GPUs joined by NVLink never goes through their PCIe switch)."""
         mat = sp.csr_array((price[self._order], self._indices, self._indptr), shape=(self.nnodes, self.nnodes))
         dist, pred = dijkstra(mat, directed=True, indices=np.arange(self.p), return_predecessors=True)
+        send, recv, link = self.direct.T
+        dist[send, recv] = price[link]
+        pred[send, recv] = send
         cost = dist[:, self.p:2 * self.p].copy()
         np.fill_diagonal(cost, np.inf)
         return cost, pred

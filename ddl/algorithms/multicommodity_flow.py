@@ -9,8 +9,10 @@ Idea
 ====
 A schedule fixes *what* moves between which ranks (ring hops, tree edges); the topology's routes fix
 *how*: the widest, then shortest, paths. On fabrics with several paths of different widths -- two
-spines of unequal uplinks, NVLink next to a PCIe switch, PCIe and NVLink together -- widest-path routing
-leaves the narrower paths idle. This planner keeps the programs of a base schedule and routes its
+spines of unequal uplinks, several rails, GPUs without NVLink between them over PCIe and the CPUs
+-- widest-path routing leaves the narrower paths idle. Ranks joined by a direct link exchange over it
+alone, as transports do (a CUDA peer copy between GPUs joined by NVLink never goes through their
+PCIe switch), so the LP never splits such a pair. This planner keeps the programs of a base schedule and routes its
 traffic with a linear program, pinning the result in :attr:`Schedule.routes`.
 
 The LP (:func:`solve_commodities`)
@@ -20,7 +22,7 @@ commodity per source rank (its destinations aggregated: ``p * E`` flow variables
 ``p^2 * E``). For source ``s`` the flow lives on the usable graph in which rank vertices other than
 ``s`` have no outgoing edges (ranks never forward data, and GPUs outside the job are not in the usable
 graph at all), ``s`` has no incoming ones, and only the destinations of ``s`` may be entered among the
-ranks. Then::
+ranks, a destination joined to ``s`` by a direct link over that link alone. Then::
 
     minimise T   s.t.   out_s(v) - in_s(v) = b_s(v)            every source s, vertex v
                         sum_s x_s(e) <= cap(e) * T              every directed link e,     x >= 0
@@ -252,10 +254,14 @@ class _Problem:
         vs = fab.vindex[self.topo.ranks[s]]
         targets = {fab.vindex[self.topo.ranks[d]] for d in dests}
         cand = fab.candidate_edges(vs, targets)
+        # a destination joined to the source by a direct link is reached over that link alone
+        linked = {t for t in targets if (self.topo.ranks[s], fab.vertices[t]) in fab.eindex}
         keep = []
         for e in cand:
             u, v = fab.tail[e], fab.head[e]
             if v == vs or (fab.is_rank[u] and u != vs) or (fab.is_rank[v] and v not in targets):
+                continue
+            if v in linked and u != vs:
                 continue
             keep.append(e)
         # directed reachability: forward from the source, backward from the destinations

@@ -50,8 +50,10 @@ rank pair), so the simulator and executors load the links the LP planned.
 
 ``direct-link-trees`` (:func:`direct_link_trees`) runs the same packing over the links that join two
 ranks directly and nothing else, as Blink packs NVLink alone: on a DGX-1 the PCIe switches and CPUs
-add 8% to the LP's bandwidth (162 against 150 GB/s bus bandwidth) but take 195 trees instead of 26
-to use it, and the trees then share links unevenly; the planner simulates both and keeps the faster.
+add 4% to the LP's bandwidth (156 against 150 GB/s bus bandwidth: PCIe carries the hops between GPUs
+without NVLink) but take 232 trees instead of 52 to use it, and the trees then share links unevenly;
+the planner simulates both and keeps the faster. In both, ranks joined by a direct link exchange over
+it alone, as transports do (:meth:`ddl.topology.Topology.routes`).
 
 Limits: at most :data:`MAX_RANKS` (64) ranks -- the LP grows as ``p`` roots x links; big symmetric
 clusters are the ``hierarchical`` algorithm's job. A packing whose trees cut the blocks into so many
@@ -243,8 +245,8 @@ def direct_link_trees(topo, collective, *, root=0, nbytes=None):
     """:func:`tree_packing` over the links that join two ranks directly (:func:`direct_links`) and
     nothing else: Blink's NVLink-only trees. Where slower shared paths (PCIe switches, CPUs) add a
     little bandwidth, the full packing needs many more trees to use it, and trees that share links
-    lose to fair sharing what the LP gained (DGX-1 at 256 MiB: 195 trees predicted at 1.22 times the
-    bound, against 26 trees at 1.12); the planner's simulation decides. Raises PlanError where there
+    lose to fair sharing what the LP gained (DGX-1 at 256 MiB: 232 trees predicted at 1.091 times the
+    bound, against 52 trees at 1.079); the planner's simulation decides. Raises PlanError where there
     is no such sub-fabric."""
     return tree_packing(topo, collective, root=root, nbytes=nbytes, direct=True)
 

@@ -216,16 +216,25 @@ def _cut_line(topo):
     else:
         where = f"ranks {compact_ranges(in_ranks)}"
     ab = bounds.allreduce_bound(topo)
+    tb = bounds.transfer_bound(topo)
     groups = len(ab.groups)
     why = ("the min cut: every byte crosses it each way" if ab.crossings == 1 else
            f"{groups} groups of ranks, every byte crosses between them {ab.crossings} times")
+    allreduce_algbw = ab.algbw
+    direct = (f"; {len(tb.groups)} groups of ranks exchange at most {format_bandwidth(tb.bandwidth)} in all, "
+              f"ranks joined by a direct link over it alone")
+    ag_why = ""
+    if tb.seconds_per_byte > spb:
+        algbw, ag_why = 1.0 / tb.seconds_per_byte, direct
+    if 2 * tb.seconds_per_byte > ab.seconds_per_byte:
+        allreduce_algbw, why = 0.5 / tb.seconds_per_byte, direct[2:]
     return [
         f"limiting cut (ForestColl): S holds {cb.ranks_in_cut} of {p} ranks ({where}; plus {others} other "
         f"vertices), {format_bandwidth(cb.bandwidth_out)} leaves S",
         f"  allgather / reduce-scatter algbw <= {format_bandwidth(algbw)} "
-        f"(busbw <= {format_bandwidth(algbw * (p - 1) / p)})",
-        f"  allreduce algbw <= {format_bandwidth(ab.algbw)} "
-        f"(busbw <= {format_bandwidth(ab.algbw * 2 * (p - 1) / p)}; {why})",
+        f"(busbw <= {format_bandwidth(algbw * (p - 1) / p)}{ag_why})",
+        f"  allreduce algbw <= {format_bandwidth(allreduce_algbw)} "
+        f"(busbw <= {format_bandwidth(allreduce_algbw * 2 * (p - 1) / p)}; {why})",
     ]
 
 
