@@ -7,8 +7,8 @@ import pytest
 from scipy.optimize import linprog
 
 from ddl.algorithms import ALGORITHMS
-from ddl.algorithms.ring_packing import KEEP, MAX_RANKS, RingPacking, held_karp, rank_paths
-from ddl.bounds import busbw
+from ddl.algorithms.ring_packing import KEEPS, MAX_RANKS, RingPacking, held_karp, pack_rings, rank_paths
+from ddl.bounds import busbw, lower_bound
 from ddl.errors import PlanError
 from ddl.simulate import simulate
 from ddl.topology import Topology
@@ -42,6 +42,16 @@ def test_dgx1_adds_pcie_rings_to_the_nvlink_rings():
     channels = simulate(topo, ALGORITHMS["ring-channels"](topo, "allreduce", nbytes=N), N).seconds
     assert seconds < channels
     assert busbw("allreduce", N, seconds, 8) > 150e9
+    # within 2% of the bound, which routes transfers the same way (156 GB/s)
+    assert seconds <= 1.02 * lower_bound(topo, "allreduce", N).seconds
+
+
+def test_highs_prints_nothing(capfd):
+    """HiGHS' MIP heuristics print debug lines to the process's stdout on this fabric (scipy 1.17);
+    ``ddl plan --json`` output must stay JSON."""
+    pack_rings.cache_clear()
+    assert not isinstance(pack_rings(ring_beside_pairs(12)), PlanError)
+    assert capfd.readouterr().out == ""
 
 
 def test_every_collective_verifies_and_routes_fit_the_links():
@@ -81,7 +91,7 @@ def test_generated_rings_reach_the_optimum_over_all_rings(p):
     best = _all_rings_optimum(topo)
     sched = ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=N)
     total = sum(sched.info["channel_rates"])
-    assert KEEP * best * (1 - 1e-6) <= total <= best * (1 + 1e-6)
+    assert min(KEEPS) * best * (1 - 1e-6) <= total <= best * (1 + 1e-6)
     # more than ring-channels' rings can carry over the fabric's own routes
     channels = ALGORITHMS["ring-channels"](topo, "allreduce", nbytes=N)
     assert total > 1.01 * sum(channels.info["channel_rates"])

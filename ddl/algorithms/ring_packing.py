@@ -7,8 +7,8 @@ widest route is one of them). Ranks joined by a direct link keep to it: transpor
 and no other (a CUDA peer copy between GPUs joined by NVLink goes over NVLink, never through their
 PCIe switch), so a plan that split such a pair could not run as planned. On a DGX-1 that leaves
 PCIe the hops between GPUs without an NVLink, through switch uplinks that two GPUs share: 6 GB/s per
-GPU beside NVLink's 150, 156 GB/s of bus bandwidth at most, against the bound's 162 (which counts
-each GPU's 12 GB/s of PCIe).
+GPU beside NVLink's 150, 156 GB/s of bus bandwidth at most: the bound (:func:`ddl.bounds.transfer_bound`
+counts transfers routed the same way).
 
 The programme, over rings ``j`` (rates ``x_j``) and paths ``t`` between rank pairs (flows ``y_t``)::
 
@@ -24,11 +24,12 @@ Held-Karp dynamic programme finds exactly (M. Held and R. M. Karp, 1962; ``2^p p
 prices below 1, the optimum over *all* rings is reached.
 
 Every ring is a channel that pays its own latencies and cuts its share into its own chunks, so a
-mixed integer programme (HiGHS) then keeps the fewest rings that hold :data:`KEEP` of that optimum.
-A last LP keeps the rates and sends each pair's traffic over the fewest links, and pins that split
-in :attr:`Schedule.routes`. Shares follow the rates to 1/64 of the fastest (:data:`RATE_STEPS`):
+mixed integer programme (HiGHS) then keeps the fewest rings that hold a share of that optimum
+(each of :data:`KEEPS`; the LP counts rates, but links are shared fairly between the rings on them,
+so the selection whose allreduce simulates fastest is kept). A last LP keeps the rates and sends
+each pair's traffic over the fewest links, and pins that split in :attr:`Schedule.routes`. Shares follow the rates to 1/64 of the fastest (:data:`RATE_STEPS`):
 a ring of 6 GB/s beside ones of 50 is not rounded to an eighth. On the DGX-1 the optimum needs many
-thin PCIe rings: 16 rings, predicted at 152 GB/s (1.065 of the bound), 1% faster than
+thin PCIe rings: 15 rings, predicted at 153.4 GB/s (1.017 of the bound), 2% faster than
 ring-channels. On six ranks joined in a cycle by 25 GB/s links and, in pairs, under the leaves of
 a tree of 10 GB/s switches, it finds 55 GB/s of rings in four, against ring-channels' 50.
 
@@ -36,8 +37,11 @@ Collectives: all four. It declines beyond :data:`MAX_RANKS`, where the fabric ha
 pair, and where it gains less than ring-channels' :data:`~ddl.algorithms.ring_channels.MIN_GAIN`
 over ring-channels' own channels (it would repeat them).
 """
+import contextlib
 import functools
 import itertools
+import os
+import sys
 
 import networkx as nx
 import numpy as np
@@ -54,8 +58,9 @@ MAX_RANKS = 12            # Held-Karp prices a ring in 2^(p-1) p^2 steps
 MAX_PATH_LINKS = 6        # paths between two ranks of at most this many links ...
 MAX_PATHS = 16            # ... the shortest this many of them
 MAX_ROUNDS = 64           # rings generated at most
-KEEP = 0.995              # the rings kept hold at least this share of the optimum over all rings
-SELECT_SECONDS = 2.0      # time limit for choosing the fewest rings (the best found by then is kept)
+KEEPS = (0.995, 0.99, 0.985, 0.98)   # the fewest rings holding each share of the optimum are tried ...
+SELECT_BYTES = 256 << 20  # ... by simulating an allreduce of this size, and the fastest are kept
+SELECT_NODES = 300      # branch-and-bound nodes for choosing the rings (the best found by then is kept)
 RATE_STEPS = 64           # channel shares are fractions of the fastest with denominators up to this
 PRICE_TOL = 1e-7          # a ring must price below 1 by this much to join
 TIE = 1e-4                # tie-break weight per link of a pair's shortest path (relative to price 1)
@@ -123,6 +128,7 @@ class RingPacking:
     """The ring-packing programme on one fabric: columns are rings, rows rank pairs and links."""
 
     def __init__(self, topo, paths):
+        self.topo = topo
         self.p = topo.nranks
         self.pairs = sorted(paths)
         self.pair_index = {q: i for i, q in enumerate(self.pairs)}
@@ -150,8 +156,8 @@ class RingPacking:
         self.generated = 0
 
     def solve(self, cycles):
-        """``(cycles, rates, routes)``: the fewest rings holding :data:`KEEP` of the optimum over all
-        rings, starting from ``cycles``; rates in bytes/s per hop, routes as :attr:`Schedule.routes`."""
+        """``(cycles, rates, routes)``: the selection of :meth:`_selections` that runs fastest among
+        rings generated from ``cycles`` up to the optimum over all rings; rates in bytes/s per hop, routes as :attr:`Schedule.routes`."""
         cycles = [list(c) for c in cycles]
         seen = {tuple(c) for c in cycles}
         while True:
@@ -164,11 +170,27 @@ class RingPacking:
             cycles.append(cycle)
             seen.add(tuple(cycle))
             self.generated += 1
-        kept = self._fewest(cycles, best)
-        cycles = [cycles[j] for j in kept]
-        _, rates, _ = self._lp(cycles)
-        flows = self._shortest_routing(cycles, rates)
-        return cycles, [float(r) * self.unit for r in rates], self._routes(flows)
+        return min(self._selections(cycles, best), key=lambda x: x[0])[1:]
+
+    def _selections(self, cycles, best):
+        """``(simulated seconds, cycles, rates, routes)`` of the rings kept at every share of
+        :data:`KEEPS`. The LP counts rates; the fabric shares each link fairly between the rings on it,
+        so selections of equal rate run differently (DGX-1: 152.7 and 137 GB/s of bus bandwidth
+        for 154 and 152 in the LP): the allreduce of :data:`SELECT_BYTES` is simulated on each."""
+        from ..simulate import simulate
+
+        done = set()
+        for keep in KEEPS:
+            kept = self._fewest(cycles, best, keep)
+            if tuple(kept) in done:
+                continue
+            done.add(tuple(kept))
+            chosen = [cycles[j] for j in kept]
+            _, x, _ = self._lp(chosen)
+            rates = [float(r) * self.unit for r in x]
+            routes = self._routes(self._shortest_routing(chosen, x))
+            trial = rated_channels(chosen, rates, "allreduce", SELECT_BYTES, 0, RATE_STEPS, NAME, routes=routes)
+            yield simulate(self.topo, trial, SELECT_BYTES).seconds, chosen, rates, routes
 
     # ---- the programmes ----------------------------------------------------------------------------
     def _uses(self, cycles):
@@ -203,24 +225,28 @@ class RingPacking:
         order = held_karp(prices + self.tie)
         return order, float(sum(prices[order[i], order[(i + 1) % self.p]] for i in range(self.p)))
 
-    def _fewest(self, cycles, best):
-        """Indices of the fewest rings whose packing reaches ``KEEP * best`` (a MILP: one binary per ring)."""
+    def _fewest(self, cycles, best, keep):
+        """Indices of the fewest rings whose packing reaches ``keep * best`` (a MILP: one binary per
+        ring), every ring where the MILP finds no selection, cut to the first :data:`MAX_CHANNELS`
+        either way (the rings of ``ring-channels`` come first). The MILP stops after
+        :data:`SELECT_NODES` branch-and-bound nodes, not after a time, so every rank keeps the same
+        rings whatever its load. (Keeping, among the selections of at most ``MAX_CHANNELS`` rings, the
+        one that carries the most gains 1% more in the LP on a DGX-1 and loses 15% in the simulator:
+        its many thin rings share PCIe links fairly, not by their rates.)"""
         a, b = self._rows(cycles)
         nj, nt = len(cycles), len(self.paths)
         on = sp.hstack([sp.identity(nj), sp.csr_matrix((nj, nt)), -best * sp.identity(nj)])   # x_j <= best z_j
         total = np.concatenate([np.ones(nj), np.zeros(nt + nj)])
         constraints = [LinearConstraint(sp.hstack([a, sp.csr_matrix((a.shape[0], nj))]), -np.inf, b),
                        LinearConstraint(on, -np.inf, 0),
-                       LinearConstraint(total, KEEP * best, np.inf)]
+                       LinearConstraint(total, keep * best, np.inf)]
         cost = np.concatenate([np.zeros(nj + nt), np.ones(nj)])
-        integrality = np.concatenate([np.zeros(nj + nt), np.ones(nj)])
         upper = np.concatenate([np.full(nj + nt, np.inf), np.ones(nj)])
-        res = milp(cost, constraints=constraints, integrality=integrality, bounds=Bounds(0, upper),
-                   options={"time_limit": SELECT_SECONDS})
-        if res.x is None:       # no feasible selection within the time limit: every ring stays
-            return list(range(nj))
-        kept = [j for j in range(nj) if res.x[nj + nt + j] > 0.5]
-        return kept[:MAX_CHANNELS]
+        with _native_stdout_silenced():
+            res = milp(cost, constraints=constraints, integrality=cost, bounds=Bounds(0, upper),
+                       options={"node_limit": SELECT_NODES, "presolve": False})
+        kept = range(nj) if res.x is None else [j for j in range(nj) if res.x[nj + nt + j] > 0.5]
+        return list(kept)[:MAX_CHANNELS]
 
     def _shortest_routing(self, cycles, rates):
         """Path flows that carry the rings at ``rates`` over the fewest links."""
@@ -243,6 +269,21 @@ class RingPacking:
             total = sum(f for _, f in found)
             routes[pair] = tuple(sorted(((path, f / total) for path, f in found), key=lambda x: (-x[1], x[0])))
         return routes
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """HiGHS' MIP heuristics (scipy 1.17) print debug lines straight to file descriptor 1, whatever
+    the output options say; ``ddl plan --json`` must print its JSON and nothing else."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def held_karp(cost):
