@@ -27,8 +27,9 @@ Every ring is a channel that pays its own latencies and cuts its share into its 
 mixed integer programme (HiGHS) then keeps the fewest rings that hold a share of that optimum
 (each of :data:`KEEPS`; the LP counts rates, but links are shared fairly between the rings on them,
 so the selection whose allreduce simulates fastest is kept). A last LP keeps the rates and sends
-each pair's traffic over the fewest links, and pins that split in :attr:`Schedule.routes`. Shares follow the rates to 1/64 of the fastest (:data:`RATE_STEPS`):
-a ring of 6 GB/s beside ones of 50 is not rounded to an eighth. On the DGX-1 the optimum needs many
+each pair's traffic over the fewest links, and pins that split in :attr:`Schedule.routes`. Shares
+follow the rates to 1/64 of the fastest (:data:`RATE_STEPS`): a ring of 6 GB/s beside ones of 50 is
+not rounded to an eighth. On the DGX-1 the optimum needs many
 thin PCIe rings: 15 rings, predicted at 153.4 GB/s (1.017 of the bound), 2% faster than
 ring-channels. On six ranks joined in a cycle by 25 GB/s links and, in pairs, under the leaves of
 a tree of 10 GB/s switches, it finds 55 GB/s of rings in four, against ring-channels' 50.
@@ -60,7 +61,7 @@ MAX_PATHS = 16            # ... the shortest this many of them
 MAX_ROUNDS = 64           # rings generated at most
 KEEPS = (0.995, 0.99, 0.985, 0.98)   # the fewest rings holding each share of the optimum are tried ...
 SELECT_BYTES = 256 << 20  # ... by simulating an allreduce of this size, and the fastest are kept
-SELECT_NODES = 300      # branch-and-bound nodes for choosing the rings (the best found by then is kept)
+SELECT_NODES = 300        # branch-and-bound nodes for choosing the rings (the best found by then is kept)
 RATE_STEPS = 64           # channel shares are fractions of the fastest with denominators up to this
 PRICE_TOL = 1e-7          # a ring must price below 1 by this much to join
 TIE = 1e-4                # tie-break weight per link of a pair's shortest path (relative to price 1)
@@ -156,8 +157,9 @@ class RingPacking:
         self.generated = 0
 
     def solve(self, cycles):
-        """``(cycles, rates, routes)``: the selection of :meth:`_selections` that runs fastest among
-        rings generated from ``cycles`` up to the optimum over all rings; rates in bytes/s per hop, routes as :attr:`Schedule.routes`."""
+        """``(cycles, rates, routes)``: of the selections :meth:`_selections` makes among the rings
+        generated from ``cycles`` up to the optimum over all rings, the one that runs fastest; rates in
+        bytes/s per hop, routes as :attr:`Schedule.routes`."""
         cycles = [list(c) for c in cycles]
         seen = {tuple(c) for c in cycles}
         while True:
@@ -242,7 +244,7 @@ class RingPacking:
                        LinearConstraint(total, keep * best, np.inf)]
         cost = np.concatenate([np.zeros(nj + nt), np.ones(nj)])
         upper = np.concatenate([np.full(nj + nt, np.inf), np.ones(nj)])
-        with _native_stdout_silenced():
+        with _native_stdout_silenced():    # no presolve: on the DGX-1 its selections ran 0.5% slower
             res = milp(cost, constraints=constraints, integrality=cost, bounds=Bounds(0, upper),
                        options={"node_limit": SELECT_NODES, "presolve": False})
         kept = range(nj) if res.x is None else [j for j in range(nj) if res.x[nj + nt + j] > 0.5]
