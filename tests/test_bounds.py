@@ -110,7 +110,7 @@ def check_cut(graph, ranks, cb):
     assert cb.ranks_in_cut == inside
     out = sum(d["capacity"] for u, v, d in graph.edges(data=True) if u in cb.cut and v not in cb.cut)
     assert cb.bandwidth_out == pytest.approx(out, rel=1e-12)
-    assert cb.seconds_per_byte == pytest.approx(inside / (len(ranks) * out), rel=1e-12)
+    assert cb.seconds_per_byte == pytest.approx(inside / (len(ranks) * out), rel=1e-12, abs=0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_single_rank_and_shared_vertex():
     ranks = ["gpu0", "gpu0", "gpu1", "gpu2"]
     cb = cut_bound_graph(g, ranks)
     assert cb.rate == 10 * GB and cb.ranks_in_cut == 3   # all but gpu1 (or gpu2): 30 GB/s over 3 ranks
-    assert cb.seconds_per_byte == pytest.approx(3 / (4 * 30 * GB), rel=1e-12)
+    assert cb.seconds_per_byte == pytest.approx(3 / (4 * 30 * GB), rel=1e-12, abs=0)
     assert min_rank_latency_graph(g, ranks) == 0.0
     assert broadcast_bandwidth_graph(g, ["gpu0", "gpu0"])[0] == math.inf
 
@@ -531,7 +531,7 @@ def test_topology_hierarchy_three_tier():
     cb = cut_bound(topo)
     assert cb.ranks_in_cut == 188 and cb.bandwidth_out == pytest.approx(12.5 * GB)
     g, ranks = three_tier()
-    assert cb.seconds_per_byte == pytest.approx(cut_bound_graph(g, ranks).seconds_per_byte, rel=1e-12)
+    assert cb.seconds_per_byte == pytest.approx(cut_bound_graph(g, ranks).seconds_per_byte, rel=1e-12, abs=0)
     assert latency_bound(topo, "allgather") == pytest.approx(8 * 2e-6)   # ceil(log2 192) = 8, GPU-host-GPU
     # hosts of 4 need 3 cross-host latencies (4 * 5^3 >= 192), racks of 64 one cross-rack latency
     lat = rank_latency_matrix(topo.usable_graph(), list(topo.ranks))
@@ -604,7 +604,7 @@ def test_allreduce_bound_of_a_rank_behind_a_slow_link():
         link(g, f"gpu{i}", "sw", bw * GB)
     ranks = [f"gpu{i}" for i in range(4)]
     ab = bounds.allreduce_bound_graph(g, ranks)
-    assert ab.seconds_per_byte == pytest.approx(1 / (1 * GB), rel=1e-12)
+    assert ab.seconds_per_byte == pytest.approx(1 / (1 * GB), rel=1e-12, abs=0)
     assert ab.bandwidth / ab.crossings == 1 * GB
     assert {"gpu1"} in [set(s) & set(ranks) for s in ab.groups]
 
@@ -616,7 +616,7 @@ def test_allreduce_partition_bound_on_fat_trees(r):
     g, ranks = fat_tree(r)
     ab = bounds.allreduce_bound_graph(g, ranks)
     expected = max(2 * 15 / (16 * 4 * 16 * GB) * 16, 2 * 3 / (4 * 16 * GB / r)) if r > 4 else 2 * 15 / (16 * 4 * GB)
-    assert ab.seconds_per_byte == pytest.approx(expected, rel=1e-12)
+    assert ab.seconds_per_byte == pytest.approx(expected, rel=1e-12, abs=0)
     assert len(ab.groups) == (16 if r <= 4 else 4)
 
 
@@ -624,7 +624,8 @@ def test_allreduce_bound_degenerate_cases():
     g, _ = star(3, 30 * GB)
     assert bounds.allreduce_bound_graph(g, ["gpu0", "gpu0"]).seconds_per_byte == 0.0
     # ranks sharing a vertex form one group: gpu0 (twice) and gpu1 gossip over 30 GB/s each way
-    assert bounds.allreduce_bound_graph(g, ["gpu0", "gpu0", "gpu1"]).seconds_per_byte == pytest.approx(1 / (30 * GB))
+    shared = bounds.allreduce_bound_graph(g, ["gpu0", "gpu0", "gpu1"])
+    assert shared.seconds_per_byte == pytest.approx(1 / (30 * GB), rel=1e-12, abs=0)
     g.add_node("lonely")
     assert math.isinf(bounds.allreduce_bound_graph(g, ["gpu0", "gpu1", "lonely"]).seconds_per_byte)
 

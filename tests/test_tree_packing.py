@@ -135,7 +135,7 @@ def test_uniform_star_reaches_bound(p):
     rate, pk = allgather_rate(topo.usable_graph(), topo.ranks)
     assert rate == pytest.approx(cut_bound(topo).algbw, rel=1e-6)
     assert rate == pytest.approx(p / (p - 1) * 10 * GB, rel=1e-6)      # (p-1)/p N/B
-    assert pk.lower_bound == pytest.approx(pk.seconds_per_byte, rel=1e-6)
+    assert pk.lower_bound == pytest.approx(pk.seconds_per_byte, rel=1e-6, abs=0)
 
 
 @pytest.mark.parametrize("members, busbw", [(range(8), 150), ([0, 1, 4, 5], 75), ([0, 4, 6, 7], 50),
@@ -151,7 +151,7 @@ def test_dgx1_nvlink_allreduce_busbw(members, busbw):
     depth = max(t.depth for trees in pk.trees for t in trees)
     assert sum(len(t) for t in pk.trees) <= g.number_of_edges() * (depth + 1) + p
     shallow = pack_arborescences(g, ranks, shallow="depth")
-    assert shallow.seconds_per_byte == pytest.approx(pk.seconds_per_byte, rel=1e-6)
+    assert shallow.seconds_per_byte == pytest.approx(pk.seconds_per_byte, rel=1e-6, abs=0)
     assert sum(len(t) for t in shallow.trees) <= g.number_of_edges() + p
 
 
@@ -165,24 +165,30 @@ def test_fat_tree_interleaved_loses_nothing(r):
 
 
 @pytest.mark.parametrize("name", ["dgx1-v100", "fat-tree-4x4-r8", "emulated-2rack", "dgx-a100"])
-def test_zoo_lp_reaches_cut_bound(name):
+def test_zoo_lp_reaches_the_bound(name):
+    """ForestColl's cut bound, or on the DGX-1, where NVLinked GPUs never exchange through their PCIe
+    switch, the transfer bound that knows it (156 GB/s of bus bandwidth, not the cut's 162)."""
     topo = Topology.load(f"topologies/{name}.yaml")
     sched = tree_packing(topo, "allgather", nbytes=N)
-    assert sched.info["seconds_per_byte"] == pytest.approx(cut_bound(topo).seconds_per_byte, rel=1e-6)
+    bound = bandwidth_bound(topo, "allgather", N) / N
+    assert sched.info["seconds_per_byte"] == pytest.approx(bound, rel=1e-6, abs=0)
+    cut = cut_bound(topo).seconds_per_byte
+    assert (bound > cut * 1.03) == (name == "dgx1-v100")
 
 
 def test_broadcast_reaches_rooted_min_cut():
     for topo in (star(6), two_hosts(), fat_tree(8)):
         for root in (0, topo.nranks - 1):
             pk = tp._forest(topo, "bcast", root)
-            assert pk.seconds_per_byte == pytest.approx(bandwidth_bound(topo, "broadcast", 1, root=root), rel=1e-6)
+            bound = bandwidth_bound(topo, "broadcast", 1, root=root)
+            assert pk.seconds_per_byte == pytest.approx(bound, rel=1e-6, abs=0)
 
 
 def test_asymmetric_fabric_packs_each_direction():
     topo = asymmetric()
     out, inward = tp._forest(topo, "out"), tp._forest(topo, "in")
-    assert out.seconds_per_byte / 4 == pytest.approx(cut_bound(topo).seconds_per_byte, rel=1e-6)
-    assert inward.seconds_per_byte / 4 == pytest.approx(cut_bound(topo, reverse=True).seconds_per_byte, rel=1e-6)
+    assert out.seconds_per_byte / 4 == pytest.approx(cut_bound(topo).seconds_per_byte, rel=1e-6, abs=0)
+    assert inward.seconds_per_byte / 4 == pytest.approx(cut_bound(topo, reverse=True).seconds_per_byte, rel=1e-6, abs=0)
 
 
 def test_symmetry_classes():
