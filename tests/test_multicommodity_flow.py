@@ -96,6 +96,8 @@ def check_routes(topo, demands, routing, rtol=1e-5):
         assert math.isclose(sum(w for _, w in paths), 1.0, rel_tol=1e-9)
         assert all(w >= mcf_module.MIN_SHARE for _, w in paths)
         assert len({p for p, _ in paths}) == len(paths)
+        if graph.has_edge(topo.ranks[s], topo.ranks[d]):      # a direct link is used alone
+            assert paths == (((topo.ranks[s], topo.ranks[d]), 1.0),)
         for path, _ in paths:
             assert path[0] == topo.ranks[s] and path[-1] == topo.ranks[d]
             assert len(set(path)) == len(path)
