@@ -97,7 +97,9 @@ class Simulation:
     carried any. ``link_utilisation``: ``{(u, v): bytes / (capacity * seconds)}`` (0 when ``seconds`` is
     0). ``busiest``: the 5 most utilised links as ``((u, v), utilisation, bytes)``, most utilised first.
     ``transfers``: number of matched send/receive pairs in the schedule (empty ones included).
-    ``events``: number of rate recomputations (what the simulation itself cost).
+    ``events``: number of rate recomputations (what the simulation itself cost). ``timeline``: for every
+    link :func:`simulate` was asked to trace, its load as ``((start, end, bytes/s), ...)``, piecewise
+    constant over the run (empty for a link that carried nothing).
     """
 
     seconds: float
@@ -106,6 +108,23 @@ class Simulation:
     busiest: list = field(default_factory=list)
     transfers: int = 0
     events: int = 0
+    timeline: dict = field(default_factory=dict)
+
+    def profile(self, link, capacity, bins=60):
+        """How busy ``link`` was in each of ``bins`` equal slices of the run: the traced load over
+        ``capacity`` averaged per slice (a list of floats in [0, 1]). A link that idles while others
+        work shows where a schedule's pipeline fills and drains."""
+        busy = np.zeros(bins)
+        if self.seconds <= 0:
+            return busy.tolist()
+        width = self.seconds / bins
+        for start, end, load in self.timeline.get(link, ()):
+            first, last = int(start / width), min(bins - 1, int(end / width))
+            for k in range(first, last + 1):
+                overlap = min(end, (k + 1) * width) - max(start, k * width)
+                if overlap > 0:
+                    busy[k] += overlap * load
+        return np.clip(busy / (width * capacity), 0.0, 1.0).tolist()
 
     def __repr__(self):
         return f"Simulation({self.seconds:.6g} s, {self.transfers} transfers, {len(self.link_bytes)} links)"
@@ -121,7 +140,7 @@ class Outpaced(Exception):
         self.at_least = at_least
 
 
-def simulate(topo, schedule, nbytes, ceiling=None):
+def simulate(topo, schedule, nbytes, ceiling=None, trace=()):
     """Simulate ``schedule`` on ``topo`` for a buffer of ``nbytes`` bytes; see the module docstring.
 
     ``nbytes`` is the whole buffer as in :meth:`Schedule.chunk_ranges` (the big buffer of reduce-scatter
@@ -135,6 +154,8 @@ def simulate(topo, schedule, nbytes, ceiling=None):
     makespan (those bytes cross the link after now, never faster than its capacity). Once it exceeds the
     ceiling by more than one part in a million (so ties are never cut), the run stops with
     :class:`Outpaced`. The function is called again at every check: it may fall while the run goes on.
+
+    ``trace``: directed links ``(u, v)`` whose load over time to record in ``Simulation.timeline``.
     """
     try:
         nbytes = float(nbytes)
@@ -144,7 +165,7 @@ def simulate(topo, schedule, nbytes, ceiling=None):
         raise ScheduleError(f"buffer size must be a non-negative number of bytes, got {nbytes!r}")
     if schedule.nranks != topo.nranks:
         raise ScheduleError(f"schedule for {schedule.nranks} ranks on a topology of {topo.nranks} ranks")
-    return _Run(topo, schedule, nbytes, ceiling).run()
+    return _Run(topo, schedule, nbytes, ceiling, tuple(trace)).run()
 
 
 def max_min_rates(flow_links, capacity, weights=None, bottlenecks=False):
@@ -469,8 +490,8 @@ class _State:
 
 
 class _Run:
-    def __init__(self, topo, schedule, nbytes, ceiling=None):
-        self.topo, self.schedule, self.nbytes, self.ceiling = topo, schedule, nbytes, ceiling
+    def __init__(self, topo, schedule, nbytes, ceiling=None, trace=()):
+        self.topo, self.schedule, self.nbytes, self.ceiling, self.trace = topo, schedule, nbytes, ceiling, trace
         self.fabric = _Fabric(topo, schedule)
 
     def _watched(self, link_total):
@@ -586,6 +607,8 @@ class _Run:
                     deps_ready[g] = True
         push_work, pop_work = work.append, work.popleft
         heappush, heappop = heapq.heappush, heapq.heappop
+        traced = [fabric.index.get(tuple(e)) for e in self.trace]
+        samples = [] if traced else None     # (time, load of every traced link from then on)
 
         while True:
             if bundle_watch is not None:
@@ -731,6 +754,9 @@ class _Run:
                         heappush(bheap, (b_t[b] + (b_flows[b][0][0] - b_v[b]) / b_rate[b], b, v))
                 repush = set()
 
+            if samples is not None:
+                samples.append((now, [0.0 if i is None else link_load[i] for i in traced]))
+
             # ---- next event: drains and timed events within RTOL of the earliest ----
             while bheap and bheap[0][2] != b_ver[bheap[0][1]]:
                 heappop(bheap)
@@ -830,9 +856,9 @@ class _Run:
                      for g in range(n) if not finished[g]][:4]
             raise ScheduleError(f"deadlock: {n - completed} operations never complete; first stuck: "
                                 + "; ".join(stuck))
-        return self._result(makespan, link_total, ntransfers, events)
+        return self._result(makespan, link_total, ntransfers, events, _timeline(self.trace, samples, makespan))
 
-    def _result(self, seconds, total, ntransfers, events):
+    def _result(self, seconds, total, ntransfers, events, timeline=None):
         fabric = self.fabric
         link_bytes, util = {}, {}
         for i, key in enumerate(fabric.keys):
@@ -841,7 +867,25 @@ class _Run:
                 util[key] = float(total[i] / (fabric.caps[i] * seconds)) if seconds > 0 else 0.0
         busiest = sorted(((k, util[k], link_bytes[k]) for k in link_bytes),
                          key=lambda x: (-x[1], -x[2], str(x[0])))[:5]
-        return Simulation(float(seconds), link_bytes, util, busiest, ntransfers, events)
+        return Simulation(float(seconds), link_bytes, util, busiest, ntransfers, events, timeline or {})
+
+
+def _timeline(links, samples, end):
+    """``{link: ((start, end, load), ...)}`` from the loads sampled after every rate update: each holds
+    until the next sample (the last until ``end``); idle stretches and repeats are merged away."""
+    out = {}
+    for j, link in enumerate(links):
+        spans = []
+        for (t, loads), nxt in zip(samples or (), list(samples or ())[1:] + [(end, None)]):
+            t1, load = nxt[0], loads[j]
+            if t1 <= t or load <= 0:
+                continue
+            if spans and spans[-1][1] == t and spans[-1][2] == load:
+                spans[-1] = (spans[-1][0], t1, load)
+            else:
+                spans.append((t, t1, load))
+        out[tuple(link)] = tuple(spans)
+    return out
 
 
 def _link_totals(fabric, pair_route, pair_bytes):

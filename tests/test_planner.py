@@ -161,3 +161,25 @@ def test_the_garbage_collector_is_paused_while_planning_and_restored_after(monke
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_plan_timeline_shows_how_busy_the_busiest_links_are(capsys, tmp_path, monkeypatch):
+    """--timeline: a strip per busiest link (blank idle ... @ full), and the same profile in the JSON;
+    the NVLinks of the A100 pair, the busiest, are full from the start and drain at the end."""
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    topo = str(ZOO / "dgx-a100-2x8.yaml")
+    assert main(["plan", topo, "--workers", "1", "--timeline"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index(next(line for line in out if line.startswith("busiest links")))
+    strips = [line.strip() for line in out[at + 1:] if line.strip().startswith("|")]
+    assert len(strips) == 5 and all(len(s) == 62 for s in strips)
+    assert main(["plan", topo, "--workers", "1", "--json", "--timeline"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    busiest = record["busiest_links"]
+    for link in busiest:
+        profile = record["timeline"][link["link"]]
+        assert len(profile) == 60 and all(0.0 <= x <= 1.0 for x in profile)
+        assert sum(profile) / 60 == pytest.approx(link["utilisation"], rel=1e-6)
+        assert profile[0] == pytest.approx(1.0) and profile[-1] < 0.99
+    assert main(["plan", topo, "--workers", "1", "--json"]) == 0
+    assert "timeline" not in json.loads(capsys.readouterr().out)

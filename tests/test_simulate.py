@@ -640,3 +640,35 @@ def test_classic_schedules_at_every_size_on_a_star(p):
         for name in ("ring", "halving-doubling", "recursive-doubling", "double-binary-tree", "hierarchical"):
             sim = simulate(topo, ALGORITHMS[name](topo, "allreduce", nbytes=nbytes), nbytes)
             assert sim.seconds >= lower_bound(topo, "allreduce", nbytes).seconds * (1 - 1e-9), (name, nbytes)
+
+
+# ------------------------------------------------------------------------------------------- timeline
+def chain_broadcast(p, k):
+    """Rank 0 streams ``k`` chunks down the chain 0 -> 1 -> ... -> p-1 (each forwards as it receives)."""
+    b = ScheduleBuilder("broadcast", p, (1,) * k, root=0, algorithm="chain")
+    for c in range(k):
+        for i in range(p - 1):
+            b.transfer(i, i + 1, c)
+    return b.build()
+
+
+def test_timeline_adds_up_to_the_link_bytes_and_shows_the_pipeline_fill():
+    topo = star(3, latency=0.0)
+    nbytes = 64 << 20
+    sched = chain_broadcast(3, 8)
+    first, last = ("g0", "sw"), ("sw", "g2")
+    plain = simulate(topo, sched, nbytes)
+    traced = simulate(topo, sched, nbytes, trace=[first, last, ("g2", "sw")])
+    assert traced.seconds == plain.seconds and traced.link_bytes == plain.link_bytes
+    assert plain.timeline == {}
+    for link in (first, last):
+        spans = traced.timeline[link]
+        assert all(a < b and load > 0 for a, b, load in spans)
+        assert all(b <= c for (_, b, _), (c, _, _) in zip(spans, spans[1:]))         # in order, apart
+        assert sum((b - a) * load for a, b, load in spans) == pytest.approx(plain.link_bytes[link], rel=1e-9)
+        profile = traced.profile(link, 10 * GB, bins=9)
+        assert sum(profile) / 9 == pytest.approx(plain.link_utilisation[link], rel=1e-9)
+    # 8 chunks, 9 steps: the first hop works in steps 1-8, the second in steps 2-9, each at full rate
+    assert traced.profile(first, 10 * GB, bins=9) == pytest.approx([1.0] * 8 + [0.0], abs=1e-6)
+    assert traced.profile(last, 10 * GB, bins=9) == pytest.approx([0.0] + [1.0] * 8, abs=1e-6)
+    assert traced.timeline[("g2", "sw")] == ()                                      # carried nothing

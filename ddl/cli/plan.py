@@ -6,6 +6,9 @@ from ..errors import PlanError
 from ..schedule import COLLECTIVES
 from ..units import format_bandwidth, format_seconds, format_size, parse_size
 
+TIMELINE_SLICES = 60      # --timeline: the run cut into this many equal slices
+TIMELINE_LEVELS = " .:-=+*#%@"   # idle ... full, a tenth per step
+
 # Columns of --compare: a label and the algorithms it stands for (the fastest of them). "rings" is a
 # ring as NCCL runs it: one ring, or several channels where they add bandwidth.
 COMPARED = (("rings", ("ring", "ring-channels")), ("halving-doubling", ("halving-doubling",)),
@@ -29,6 +32,9 @@ def register(sub):
     p.add_argument("--compare", action="store_true",
                    help="one table: auto against rings (ring or ring-channels, the faster), halving-doubling "
                         "and double-binary-tree per file (every candidate's simulation is run to its end)")
+    p.add_argument("--timeline", action="store_true",
+                   help="how busy each of the busiest links is over the run (a pipeline that fills and "
+                        "drains shows as idle slices at the ends)")
     p.set_defaults(func=run)
 
 
@@ -52,23 +58,42 @@ def run(args):
                                                exhaustive=args.compare)))
     if args.save:
         plans[0][2].schedule.save(args.save)
-    records = [_record(topo, plan) for _, topo, plan in plans]
+    records = [_record(topo, plan, _timeline(topo, plan) if args.timeline else None) for _, topo, plan in plans]
     if args.json:
         print(json.dumps(records if args.compare else records[0], indent=2))
     elif args.compare:
         print(_compare_table(records))
     else:
-        print(_explain(plans[0][1], plans[0][2]))
+        print(_explain(plans[0][1], plans[0][2], records[0].get("timeline")))
         if args.save:
             print(f"schedule written to {args.save}")
     return 0
 
 
-def _record(topo, plan):
+def _timeline(topo, plan):
+    """``{"u->v": [utilisation per slice]}`` of the plan's busiest links, from simulating it again with
+    those links traced (the simulation is deterministic: the same run as the prediction)."""
+    from ..simulate import simulate
+
+    if not plan.busiest or not plan.predicted_seconds:
+        return {}
+    links = [link for link, _, _ in plan.busiest]
+    sim = simulate(topo, plan.schedule, plan.nbytes, trace=links)
+    return {f"{u}->{v}": sim.profile((u, v), topo.capacity(u, v), TIMELINE_SLICES) for u, v in links}
+
+
+def _strip(profile):
+    """One character per slice, from idle (blank) to full (@)."""
+    top = len(TIMELINE_LEVELS) - 1
+    return "".join(TIMELINE_LEVELS[min(top, int(x * top + 0.5))] for x in profile)
+
+
+def _record(topo, plan, timeline=None):
     from ..bounds import busbw
 
     p = topo.nranks
     sched = plan.schedule
+    extra = {} if timeline is None else {"timeline": timeline}
     return {
         "topology": topo.name,
         "collective": plan.collective,
@@ -91,10 +116,11 @@ def _record(topo, plan):
         "spans": len(sched.spans),
         "operations": sched.nops,
         "busiest_links": [{"link": f"{u}->{v}", "utilisation": util, "bytes": b} for (u, v), util, b in plan.busiest],
+        **extra,
     }
 
 
-def _explain(topo, plan):
+def _explain(topo, plan, timeline=None):
     r = _record(topo, plan)
     lines = [
         f"topology    {topo.name} ({topo.nranks} ranks, {len(topo.hosts)} hosts)",
@@ -124,9 +150,12 @@ def _explain(topo, plan):
     for name, why in plan.skipped.items():
         lines.append(f"  not planned: {name} ({why})")
     if plan.busiest:
-        lines.append("busiest links")
+        lines.append("busiest links" + (f" (over the run, {TIMELINE_SLICES} slices: blank idle, @ full)"
+                                         if timeline else ""))
         for (u, v), util, nbytes in plan.busiest:
             lines.append(f"  {u} -> {v}: {util:6.1%} busy, {format_size(int(nbytes))}")
+            if timeline:
+                lines.append(f"    |{_strip(timeline[f'{u}->{v}'])}|")
     return "\n".join(lines)
 
 
