@@ -423,19 +423,23 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     tried = sched.info["variants_tried"]
     depths = sorted({wave_depth(nbytes, p, 4 * (p - 1), most) for most in WAVE_CAPS})
     assert (tried[0]["waves"], tried[0]["lift"]) == depths[0]          # every tier, fewest waves, first
-    assert [(t["waves"], t["lift"]) for t in tried][-2:] == depths[1:]  # more waves last
+    rings = [(t["waves"], t["lift"]) for t in tried if not t["exchange"]]
+    assert rings[-2:] == depths[1:]                                     # then more waves
     order = sched.info["order"]
     by_size = {len(part): part for part in rank_partitions(topo)}
     kept = None
     for t in tried:
         again = hierarchical_schedule(order, [by_size[n] for n in t["stages"] if n > 1], "allreduce", t["waves"],
-                                      waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG)
+                                      waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG,
+                                      exchange=t["exchange"])
         assert [len(st["groups"]) for st in again.info["stages"]] == t["stages"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
         if kept is None or t["seconds"] < (1 - MIN_VARIANT_GAIN) * kept["seconds"]:
             kept = t
     assert [len(st["groups"]) for st in sched.info["stages"]] == kept["stages"] == stages
     assert (sched.info["chunks_per_target"], sched.info["lift"]) == (kept["waves"], kept["lift"])
+    assert sched.info["exchange_stages"] == kept["exchange"] == []
+    assert tried[-1]["exchange"] == [1]                # the fastest stage exchanging directly: tried last
     assert sched.info["chunks_per_target"] == waves
     assert simulate(topo, sched, nbytes).seconds == kept["seconds"]
     if name == "leaf-spine-2rack":     # leaving the rack tier out: 1.080 -> within 1.02 of the bound
@@ -483,6 +487,27 @@ def test_hierarchical_lag_lets_the_way_up_run_ahead():
     assert seconds[WAVE_LAG] <= 1.02 * bound < seconds[0]
 
 
+def test_hierarchical_exchange_inside_the_box():
+    # DGX A100 4 x 8: a ring of a box's eight GPUs takes seven message latencies before a wave's
+    # shares reach the NICs (and as many after they come back); exchanging directly over the NVSwitch
+    # takes one, with the same bytes on every link
+    topo = Topology.load(ZOO / "dgx-a100-4x8.yaml")
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    info = sched.info
+    assert info["exchange_stages"] == [1]
+    parts = [st["groups"] for st in info["stages"]][:-1]
+    ring = hierarchical_schedule(info["order"], parts, "allreduce", info["chunks_per_target"], waves=info["waves"],
+                                 ramped=True, lift=info["lift"], lag=WAVE_LAG)
+    assert len(ring.programs[9]) == len(sched.programs[9])          # as many messages
+    exchange, rings = simulate(topo, sched, nbytes), simulate(topo, ring, nbytes)
+    assert exchange.seconds < (1 - MIN_VARIANT_GAIN) * rings.seconds
+    assert exchange.seconds <= 1.03 * lower_bound(topo, "allreduce", nbytes).seconds
+    nic = ("dgx0/gpu0", "dgx0/pcie0")                               # a GPU's way to its NIC, the busiest
+    assert exchange.link_bytes[nic] == pytest.approx(rings.link_bytes[nic])
+    verify(sched)
+
+
 def test_hierarchical_unequal_groups():
     # hosts of 4, 2 and 3 GPUs: unequal groups still give a correct schedule for every collective
     order = list(range(9))
@@ -491,7 +516,9 @@ def test_hierarchical_unequal_groups():
         for k in (1, 2):
             for waves in (1, k):
                 for lag in (0, 1, 3):
-                    verify(hierarchical_schedule(order, parts, collective, k, root=5, waves=waves, lag=lag))
+                    for exchange in ((), (1,), (1, 2)):
+                        verify(hierarchical_schedule(order, parts, collective, k, root=5, waves=waves, lag=lag,
+                                                     exchange=exchange))
     assert [len(s) for s in stage_partitions(9, parts)] == [3, 1]
     with pytest.raises(PlanError, match="not nested"):
         stage_partitions(4, [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])

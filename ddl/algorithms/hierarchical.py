@@ -58,6 +58,13 @@ end. On the 2 x 8 DGX A100 cluster at 256 MiB that takes the prediction from 1.0
 of 1 gains less (1.035 on 2 x 8), 4 no more (1.012 there, 1.042 on 4 x 8). The data and the reduction
 order are those without the lag: waves hold disjoint chunks.
 
+Exchange. A ring of ``g`` ranks takes ``g - 1`` message latencies to reduce-scatter a wave (and as
+many to gather it back), and the next stage waits for all of them. Through a switch the fastest
+stage can *exchange directly* instead (:func:`exchange_reduce_scatter`): each rank sends every share
+to its holder in one step, the same bytes on every link. On the 4 x 8 DGX A100 cluster the NICs idled
+31 us at each end of a 2.09 ms allreduce while the eight GPUs of a box rang a wave through; with the
+exchange 1.027 of the bound instead of 1.039. It is one more variant (below), tried last.
+
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) were predicted 1.4-2.2% faster than
 eight before the lag, on the oversubscribed leaf-spine 3% slower; with the lag, eight are best on
@@ -67,8 +74,9 @@ the in-host stage better than a stage inside each rack and another across the ra
 bound against 1.080. So where the schedules are small enough to simulate in a moment
 (``CHOOSE_VARIANTS_OPS``), the variants are built and simulated on the topology: every tier,
 then each tier left out in turn, with the most waves that fit under a cap of 8; then, on the
-stages kept, the most waves under caps of 12 and 16. Larger schedules take every tier and the
-cap of 8 untried. More waves are more messages, which the simulator charges nothing for, and on
+stages kept, the most waves under caps of 12 and 16; then the fastest stage exchanging directly,
+where its groups have more than two ranks. Larger schedules take every tier and the cap of 8
+untried. More waves are more messages, which the simulator charges nothing for, and on
 the emulated one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster
 than eight ran 7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant replaces
 the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster.
@@ -147,14 +155,15 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
-                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, **info):
+                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
     ``ramped``: chunk ``j`` of a target weighs ``ramp(k, lift)[j]`` instead of 1. An allreduce's ring
     members send their shares in up to ``span_pieces`` spans per step (other collectives: a message
     per chunk, since their chunks of one target are its pipeline), and list a wave's way back down
-    after the way up of the ``lag`` waves that follow it."""
+    after the way up of the ``lag`` waves that follow it. The stages numbered in ``exchange`` (1 is
+    the fastest) exchange directly instead of by ring (:func:`exchange_reduce_scatter`)."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -179,23 +188,50 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
 
     wave = [{t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()} for w in range(waves)]
 
+    exchange = tuple(sorted({int(s) for s in exchange}))
+    up_ops = {s: exchange_reduce_scatter if s in exchange else ring_reduce_scatter for s in range(1, len(stages) + 1)}
+    down_ops = {s: exchange_allgather if s in exchange else ring_allgather for s in range(1, len(stages) + 1)}
+
     def down(w):
         for s in range(len(stages), 0, -1):
-            _stage(b, s, holders, children, wave[w], pos, ring_allgather, spans)
+            _stage(b, s, holders, children, wave[w], pos, down_ops[s], spans)
 
     for w in range(waves):
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
-                _stage(b, s, holders, children, wave[w], pos, ring_reduce_scatter, spans)
+                _stage(b, s, holders, children, wave[w], pos, up_ops[s], spans)
         if collective != "reduce_scatter" and w >= lag:
             down(w - lag)
     if collective != "reduce_scatter":
         for w in range(max(0, waves - lag), waves):
             down(w)
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
-                   span_pieces=spans, lag=lag,
+                   span_pieces=spans, lag=lag, exchange_stages=list(exchange),
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
+
+
+def exchange_reduce_scatter(builder, ranks, blocks):
+    """Reduce-scatter among ``ranks`` by direct exchange: every rank sends ``blocks[j]`` straight to
+    ``ranks[j]``, which reduces the ``g - 1`` partials in a fixed order (from the rank before it, then
+    the one before that, round the group). The same bytes leave and enter every rank as in a ring, but
+    in one step instead of ``g - 1``: through a switch, a wave's blocks are done after one message
+    latency rather than ``g - 1``, and that is what the next stage waits for before it can start."""
+    g = len(ranks)
+    for t in range(1, g):
+        for i in range(g):
+            for c in blocks[(i + t) % g]:
+                builder.transfer(ranks[i], ranks[(i + t) % g], c, reduce=True)
+
+
+def exchange_allgather(builder, ranks, blocks):
+    """Allgather among ``ranks`` by direct exchange: ``ranks[j]`` sends ``blocks[j]`` to every other
+    rank (see :func:`exchange_reduce_scatter`)."""
+    g = len(ranks)
+    for t in range(1, g):
+        for j in range(g):
+            for c in blocks[j]:
+                builder.transfer(ranks[j], ranks[(j + t) % g], c)
 
 
 def _holders(p, stages, pos):
@@ -268,13 +304,13 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
 
-    def build(tiers, k, lift=0):
+    def build(tiers, k, lift=0, exchange=()):
         staged = stage_partitions(p, tiers)
         bws = [tier_bw.get(groups) for groups in staged]
         spans = next((q for q in SPAN_PIECES if k * _ops_per_wave(p, staged, collective, q) <= MAX_WAVE_OPS),
                      SPAN_PIECES[-1])
         return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
-                                     lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0,
+                                     lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0, exchange=exchange,
                                      stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
 
     if not waved:
@@ -288,19 +324,21 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         return build(parts, *depths[0])
     tried, kept = [], None
 
-    def consider(tiers, k, lift):
+    def consider(tiers, k, lift, exchange=()):
         nonlocal kept
-        sched = build(tiers, k, lift)
+        sched = build(tiers, k, lift, exchange)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
-                      "seconds": seconds})
+                      "exchange": list(exchange), "seconds": seconds})
         if kept is None or seconds < kept[0] * (1 - MIN_VARIANT_GAIN):
-            kept = (seconds, tiers, sched)
+            kept = (seconds, tiers, sched, k, lift)
 
     for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
         consider(tiers, *depths[0])
     for k, lift in depths[1:]:         # then more waves on the stages kept
         consider(kept[1], k, lift)
+    if max(len(g) for g in stage_partitions(p, kept[1])[0]) > 2:   # then the fastest stage exchanging directly
+        consider(kept[1], kept[3], kept[4], (1,))
     kept[2].info["variants_tried"] = tried
     return kept[2]
 

@@ -264,6 +264,31 @@ def check_hierarchical_ramped_waves():
     c.Free()
 
 
+class ExchangeHierarchy:
+    """hierarchical on two hosts whose ranks exchange directly (one step: every rank sends each share
+    to its holder, which reduces them in a fixed order) instead of by ring, in ramped waves, with the
+    lag and spans."""
+
+    def schedule(self, collective, nbytes, algorithm=None, root=0):
+        from ddl.algorithms.hierarchical import hierarchical_schedule
+        hosts = [list(range((p + 1) // 2)), list(range((p + 1) // 2, p))]
+        return hierarchical_schedule(list(range(p)), [hosts], collective, 4, root, waves=4, ramped=True, lag=1,
+                                     exchange=(1,))
+
+
+def check_hierarchical_exchange():
+    """Direct exchange inside the hosts (hosts of 3 and more ranks, where it differs from a ring):
+    every collective right and bitwise the same everywhere."""
+    if p < 5:
+        return
+    c = ddl.Communicator(WORLD, planner=ExchangeHierarchy())
+    chk.ok(c.plan(4 << 20).info["exchange_stages"] == [1], "hierarchical: no exchange stage")
+    for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
+        for count in (7 * p, 300_000):
+            run(c, count, f"hierarchical exchange {coll} {count}")
+    c.Free()
+
+
 class SpanRings:
     """A planner of ring schedules that send most of a block's pieces as one span (one message) and its
     first piece alone, and gather whole blocks as spans: spans and chunks of one block mix, so the
@@ -515,6 +540,7 @@ check_reproducible()
 if mode == "full" or p in (5, 8):
     check_algorithms()
     check_hierarchical_ramped_waves()
+    check_hierarchical_exchange()
     check_ring_channels()
     check_ring_packing()
     check_spans()
