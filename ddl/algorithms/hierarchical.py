@@ -78,8 +78,9 @@ stages kept, the most waves under caps of 12 and 16; then the fastest stage exch
 where its groups have more than two ranks. Larger schedules take every tier and the cap of 8
 untried. More waves are more messages, which the simulator charges nothing for, and on
 the emulated one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster
-than eight ran 7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant replaces
-the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster.
+than eight ran 7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant with more
+operations replaces the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster;
+one with no more (fewer tiers, or the exchange: as many messages as the rings) wherever it is faster.
 """
 from itertools import combinations
 
@@ -329,8 +330,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         sched = build(tiers, k, lift, exchange)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
-                      "exchange": list(exchange), "seconds": seconds})
-        if kept is None or seconds < kept[0] * (1 - MIN_VARIANT_GAIN):
+                      "exchange": list(exchange), "operations": sched.nops, "seconds": seconds})
+        if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops)):
             kept = (seconds, tiers, sched, k, lift)
 
     for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
@@ -341,6 +342,13 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         consider(kept[1], kept[3], kept[4], (1,))
     kept[2].info["variants_tried"] = tried
     return kept[2]
+
+
+def variant_gain(ops, kept_ops):
+    """How much faster (relative) a variant of ``ops`` operations must be predicted than the one kept
+    so far, of ``kept_ops``: :data:`MIN_VARIANT_GAIN` if it sends more messages (which the simulator
+    charges nothing for), else any gain beyond rounding."""
+    return MIN_VARIANT_GAIN if ops > kept_ops else 1e-9
 
 
 def _ops_per_wave(p, stages, collective, span_pieces):
