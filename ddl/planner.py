@@ -363,7 +363,9 @@ def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
         head = f"{chosen} is the only algorithm that applies"
     else:
         head = f"{chosen} is predicted fastest at {format_size(nbytes)}: {format_seconds(seconds)}"
-        if baselines:
+        if baselines and seconds <= 0:
+            head += " (nothing moves: every algorithm takes no time)"
+        elif baselines:
             runner, runner_s = min(baselines.items(), key=lambda kv: kv[1])
             head += (f", {runner_s / seconds:.2f}x faster than the next best "
                      f"{'run to its end ' if outpaced else ''}({runner}, {format_seconds(runner_s)})")
@@ -373,6 +375,8 @@ def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
             head += "; 1 more was stopped once it could not win"
         elif outpaced:
             head += f"; {len(outpaced)} more were stopped once they could not win"
+    if seconds <= 0:
+        return head
     regime = ("latency-bound (the message is small: fewest rounds wins)"
               if bound.latency_seconds >= bound.bandwidth_seconds else
               "bandwidth-bound (the message is large: using every link's capacity wins)")

@@ -183,3 +183,13 @@ def test_plan_timeline_shows_how_busy_the_busiest_links_are(capsys, tmp_path, mo
         assert profile[0] == pytest.approx(1.0) and profile[-1] < 0.99
     assert main(["plan", topo, "--workers", "1", "--json"]) == 0
     assert "timeline" not in json.loads(capsys.readouterr().out)
+
+
+def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
+    """Every algorithm takes no time on one rank: the explanation says so (it used to divide by zero)."""
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    one = tmp_path / "one.yaml"
+    one.write_text("name: one\nnodes: [{id: g0, kind: gpu}]\nlinks: []\nranks: [g0]\n")
+    assert main(["plan", str(one), "--workers", "1", "--timeline"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing moves" in out and "predicted   0 s" in out and "nan" not in out

@@ -142,8 +142,8 @@ def _explain(topo, plan, timeline=None):
     spans = f", {r['spans']} spans" if r["spans"] else ""
     lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks{spans}, {r['operations']} operations)")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
-        ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
-        lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio:.2f}x the chosen time)")
+        ratio = f"{secs / plan.predicted_seconds:.2f}x the chosen time" if plan.predicted_seconds else "nothing to move"
+        lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio})")
     for name, secs in sorted(plan.outpaced.items(), key=lambda kv: kv[1]):
         ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
         lines.append(f"  vs {name:<22} >{format_seconds(secs):>9}   (>{ratio:.2f}x: stopped once it could not win)")
