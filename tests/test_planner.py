@@ -172,15 +172,18 @@ def test_plan_timeline_shows_how_busy_the_busiest_links_are(capsys, tmp_path, mo
     out = capsys.readouterr().out.splitlines()
     at = out.index(next(line for line in out if line.startswith("busiest links")))
     strips = [line.strip() for line in out[at + 1:] if line.strip().startswith("|")]
-    assert len(strips) == 5 and all(len(s) == 62 for s in strips)
+    assert len(strips) == 5 and all(s[61] == "|" and "idle" in s[62:] for s in strips)
     assert main(["plan", topo, "--workers", "1", "--json", "--timeline"]) == 0
     record = json.loads(capsys.readouterr().out)
     busiest = record["busiest_links"]
     for link in busiest:
-        profile = record["timeline"][link["link"]]
+        timeline = record["timeline"][link["link"]]
+        profile = timeline["profile"]
         assert len(profile) == 60 and all(0.0 <= x <= 1.0 for x in profile)
         assert sum(profile) / 60 == pytest.approx(link["utilisation"], rel=1e-6)
         assert profile[0] == pytest.approx(1.0) and profile[-1] < 0.99
+        assert timeline["idle_start"] == 0.0 < timeline["idle_end"] < record["predicted_seconds"] / 60
+        assert timeline["idle_between"] >= 0.0
     assert main(["plan", topo, "--workers", "1", "--json"]) == 0
     assert "timeline" not in json.loads(capsys.readouterr().out)
 

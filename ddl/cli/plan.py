@@ -71,15 +71,26 @@ def run(args):
 
 
 def _timeline(topo, plan):
-    """``{"u->v": [utilisation per slice]}`` of the plan's busiest links, from simulating it again with
-    those links traced (the simulation is deterministic: the same run as the prediction)."""
+    """``{"u->v": {"profile": [utilisation per slice], "idle_start": s, "idle_end": s, "idle_between": s}}``
+    for the plan's busiest links, from simulating it again with those links traced (the simulation is
+    deterministic: the same run as the prediction). The idle times say what a gap to the bound is made
+    of: a pipeline filling (start), draining (end), or stages waiting on each other (between)."""
     from ..simulate import simulate
 
     if not plan.busiest or not plan.predicted_seconds:
         return {}
     links = [link for link, _, _ in plan.busiest]
     sim = simulate(topo, plan.schedule, plan.nbytes, trace=links)
-    return {f"{u}->{v}": sim.profile((u, v), topo.capacity(u, v), TIMELINE_SLICES) for u, v in links}
+    out = {}
+    for u, v in links:
+        spans = sim.timeline[(u, v)]
+        start = spans[0][0] if spans else sim.seconds
+        end = sim.seconds - spans[-1][1] if spans else 0.0
+        busy = sum(b - a for a, b, _ in spans)
+        out[f"{u}->{v}"] = {"profile": sim.profile((u, v), topo.capacity(u, v), TIMELINE_SLICES),
+                            "idle_start": start, "idle_end": end,
+                            "idle_between": max(0.0, sim.seconds - start - end - busy)}
+    return out
 
 
 def _strip(profile):
@@ -155,7 +166,9 @@ def _explain(topo, plan, timeline=None):
         for (u, v), util, nbytes in plan.busiest:
             lines.append(f"  {u} -> {v}: {util:6.1%} busy, {format_size(int(nbytes))}")
             if timeline:
-                lines.append(f"    |{_strip(timeline[f'{u}->{v}'])}|")
+                t = timeline[f"{u}->{v}"]
+                lines.append(f"    |{_strip(t['profile'])}| idle: {format_seconds(t['idle_start'])} first, "
+                             f"{format_seconds(t['idle_end'])} last, {format_seconds(t['idle_between'])} between")
     return "\n".join(lines)
 
 
