@@ -873,11 +873,13 @@ class _Run:
 def _timeline(links, samples, end):
     """``{link: ((start, end, load), ...)}`` from the loads sampled after every rate update: each holds
     until the next sample (the last until ``end``); idle stretches and repeats are merged away."""
+    samples = samples or []
+    until = [t for t, _ in samples[1:]] + [end]
     out = {}
     for j, link in enumerate(links):
         spans = []
-        for (t, loads), nxt in zip(samples or (), list(samples or ())[1:] + [(end, None)]):
-            t1, load = nxt[0], loads[j]
+        for (t, loads), t1 in zip(samples, until):
+            load = loads[j]
             if t1 <= t or load <= 0:
                 continue
             if spans and spans[-1][1] == t and spans[-1][2] == load:

@@ -221,8 +221,9 @@ def exchange_reduce_scatter(builder, ranks, blocks):
     g = len(ranks)
     for t in range(1, g):
         for i in range(g):
-            for c in blocks[(i + t) % g]:
-                builder.transfer(ranks[i], ranks[(i + t) % g], c, reduce=True)
+            j = (i + t) % g
+            for c in blocks[j]:
+                builder.transfer(ranks[i], ranks[j], c, reduce=True)
 
 
 def exchange_allgather(builder, ranks, blocks):
@@ -332,14 +333,15 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "operations": sched.nops, "seconds": seconds})
         if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops)):
-            kept = (seconds, tiers, sched, k, lift)
+            kept = (seconds, tiers, sched)
 
     for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
         consider(tiers, *depths[0])
     for k, lift in depths[1:]:         # then more waves on the stages kept
         consider(kept[1], k, lift)
-    if max(len(g) for g in stage_partitions(p, kept[1])[0]) > 2:   # then the fastest stage exchanging directly
-        consider(kept[1], kept[3], kept[4], (1,))
+    info = kept[2].info
+    if max(info["stages"][0]["group_sizes"]) > 2:   # then the fastest stage exchanging directly
+        consider(kept[1], info["chunks_per_target"], info["lift"], (1,))
     kept[2].info["variants_tried"] = tried
     return kept[2]
 

@@ -50,6 +50,7 @@ import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..errors import PlanError
+from ..simulate import simulate
 from .multicommodity_flow import repeats_a_base
 from .ring import check_request
 from .ring_channels import MAX_CHANNELS, MIN_GAIN, candidate_orders, choose_channels, rated_channels
@@ -179,8 +180,6 @@ class RingPacking:
         :data:`KEEPS`. The LP counts rates; the fabric shares each link fairly between the rings on it,
         so selections of equal rate run differently (DGX-1: 152.7 and 137 GB/s of bus bandwidth
         for 154 and 152 in the LP): the allreduce of :data:`SELECT_BYTES` is simulated on each."""
-        from ..simulate import simulate
-
         done = set()
         for keep in KEEPS:
             kept = self._fewest(cycles, best, keep)

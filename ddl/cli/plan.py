@@ -64,7 +64,7 @@ def run(args):
     elif args.compare:
         print(_compare_table(records))
     else:
-        print(_explain(plans[0][1], plans[0][2], records[0].get("timeline")))
+        print(_explain(plans[0][1], plans[0][2], records[0]))
         if args.save:
             print(f"schedule written to {args.save}")
     return 0
@@ -131,8 +131,9 @@ def _record(topo, plan, timeline=None):
     }
 
 
-def _explain(topo, plan, timeline=None):
-    r = _record(topo, plan)
+def _explain(topo, plan, r):
+    """The text form of ``r``, the plan's :func:`_record` (with its timeline, when asked for)."""
+    timeline = r.get("timeline")
     lines = [
         f"topology    {topo.name} ({topo.nranks} ranks, {len(topo.hosts)} hosts)",
         f"collective  {plan.collective} of {format_size(plan.nbytes)}",

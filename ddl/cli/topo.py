@@ -221,13 +221,13 @@ def _cut_line(topo):
     why = ("the min cut: every byte crosses it each way" if ab.crossings == 1 else
            f"{groups} groups of ranks, every byte crosses between them {ab.crossings} times")
     allreduce_algbw = ab.algbw
-    direct = (f"; {len(tb.groups)} groups of ranks exchange at most {format_bandwidth(tb.bandwidth)} in all, "
+    direct = (f"{len(tb.groups)} groups of ranks exchange at most {format_bandwidth(tb.bandwidth)} in all, "
               f"ranks joined by a direct link over it alone")
     ag_why = ""
     if tb.seconds_per_byte > spb:
-        algbw, ag_why = 1.0 / tb.seconds_per_byte, direct
+        algbw, ag_why = 1.0 / tb.seconds_per_byte, f"; {direct}"
     if 2 * tb.seconds_per_byte > ab.seconds_per_byte:
-        allreduce_algbw, why = 0.5 / tb.seconds_per_byte, direct[2:]
+        allreduce_algbw, why = 0.5 / tb.seconds_per_byte, direct
     return [
         f"limiting cut (ForestColl): S holds {cb.ranks_in_cut} of {p} ranks ({where}; plus {others} other "
         f"vertices), {format_bandwidth(cb.bandwidth_out)} leaves S",
