@@ -8,6 +8,7 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
+from ddl.algorithms.hierarchical import _holders, wave_parts
 from ddl.algorithms.hierarchical import (CHOOSE_VARIANTS_OPS, MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, WAVE_CAPS,
                                         WAVE_LAG, WAVE_MIN_BYTES, ramp, stage_partitions, variant_gain, wave_depth)
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
@@ -431,8 +432,9 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     for t in tried:
         again = hierarchical_schedule(order, [by_size[n] for n in t["stages"] if n > 1], "allreduce", t["waves"],
                                       waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG,
-                                      exchange=t["exchange"])
+                                      exchange=t["exchange"], split=True)
         assert [len(st["groups"]) for st in again.info["stages"]] == t["stages"]
+        assert again.info["wave_parts"] == t["wave_parts"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
         assert t["operations"] == again.nops
         if kept is None or t["seconds"] < (1 - variant_gain(t["operations"], kept["operations"])) * kept["seconds"]:
@@ -509,6 +511,40 @@ def test_hierarchical_exchange_inside_the_box():
     verify(sched)
 
 
+def test_hierarchical_split_waves():
+    # 32 ranks in three tiers at 256 MiB: the four GPUs of a host share its NIC, so a whole wave's
+    # in-rack rings share it four ways and the rack uplinks wait for all of them. Split by the GPU's
+    # place and by the diagonal across the racks, a wave goes in 8 parts, each through every stage
+    # before the next: the same messages, reordered, and the uplinks start sooner.
+    topo = three_tier(gpus=4, hosts=4, racks=2)
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    info = sched.info
+    assert info["wave_parts"] == 8
+    verify(sched)
+    tiers = [st["groups"] for st in info["stages"]][:-1]
+    whole = hierarchical_schedule(info["order"], tiers, "allreduce", info["chunks_per_target"], waves=info["waves"],
+                                  ramped=True, lift=info["lift"], lag=WAVE_LAG, split=False)
+    assert whole.info["wave_parts"] == 1 and whole.nops == sched.nops
+    assert np.allclose(whole.bytes_sent(nbytes), sched.bytes_sent(nbytes))
+    assert simulate(topo, sched, nbytes).seconds < (1 - MIN_VARIANT_GAIN) * simulate(topo, whole, nbytes).seconds
+    p = topo.nranks
+    stages = stage_partitions(p, tiers)
+    pos = {r: i for i, r in enumerate(info["order"])}
+    holders, _ = _holders(p, stages, pos)
+    parts = wave_parts(p, stages, holders, pos)
+    assert sorted(t for part in parts for t in part) == list(range(p))
+    rack = {r: ri for ri, g in enumerate(stages[1]) for r in g}
+    for part in parts:
+        assert len({pos[holders[1][0][t]] for t in part}) == 1          # one place in the host
+        assert sorted(rack[t] for t in part) == [0, 0, 1, 1]             # the racks alike
+        for X in range(len(stages[1])):                                   # one target per ring member
+            assert len({holders[2][X][t] for t in part}) == len(part)
+    # two stages have no tier above a shared one to wait: nothing is split
+    assert hierarchical_schedule(list(range(8)), [[[0, 1, 2, 3], [4, 5, 6, 7]]], "allreduce", 4, waves=4,
+                                 ramped=True, split=True).info["wave_parts"] == 1
+
+
 def test_hierarchical_unequal_groups():
     # hosts of 4, 2 and 3 GPUs: unequal groups still give a correct schedule for every collective
     order = list(range(9))
@@ -520,6 +556,13 @@ def test_hierarchical_unequal_groups():
                     for exchange in ((), (1,), (1, 2)):
                         verify(hierarchical_schedule(order, parts, collective, k, root=5, waves=waves, lag=lag,
                                                      exchange=exchange))
+    racks = [[[0, 1, 2, 3, 4, 5], [6, 7, 8]]]                  # and three stages, the waves split
+    for k in (2, 3):
+        for lag in (0, 1):
+            sched = hierarchical_schedule(order, parts + racks, "allreduce", k, waves=k, ramped=True, lag=lag,
+                                          split=True)
+            assert sched.info["wave_parts"] > 1
+            verify(sched)
     assert [len(s) for s in stage_partitions(9, parts)] == [3, 1]
     with pytest.raises(PlanError, match="not nested"):
         stage_partitions(4, [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])

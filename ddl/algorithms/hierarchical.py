@@ -65,6 +65,20 @@ to its holder in one step, the same bytes on every link. On the 4 x 8 DGX A100 c
 31 us at each end of a 2.09 ms allreduce while the eight GPUs of a box rang a wave through; with the
 exchange 1.027 of the bound instead of 1.039. It is one more variant (below), tried last.
 
+Split waves. Where the fastest tier's ranks share the next tier's link (the four GPUs of a host
+its NIC), a wave's rings through that link carry every GPU's share at once, and the tier above
+waits for all of them: on the 192-rank three-tier cluster the rack uplinks idled 4.4 ms of 63 ms
+while the first wave went round the hosts of each rack. With three stages or more an allreduce
+therefore lists each wave in parts (:func:`wave_parts`): the targets held by one GPU of every host,
+and among them one *diagonal* across the racks, so that the part's in-rack rings carry one chunk
+per member and its rings across the racks start from every rack alike; each part goes through
+every stage before the next. The messages are the same, reordered (a part's members send its runs
+in ``1/m`` of the spans, ``m`` racks); the uplinks start after 1.5 ms: 1.043 of the bound instead of
+1.103, on the 32-rank three-tier test cluster 1.019 instead of 1.032. With two stages nothing waits
+that way (on the DGX A100 clusters the parts were predicted 0.2-2% slower), so nothing is split.
+The parts make the 192-rank schedule's simulation about three times slower (5 s instead of 2 s),
+since its rings no longer step together.
+
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) were predicted 1.4-2.2% faster than
 eight before the lag, on the oversubscribed leaf-spine 3% slower; with the lag, eight are best on
@@ -156,7 +170,7 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
-                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), **info):
+                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), split=False, **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
@@ -164,7 +178,9 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     members send their shares in up to ``span_pieces`` spans per step (other collectives: a message
     per chunk, since their chunks of one target are its pipeline), and list a wave's way back down
     after the way up of the ``lag`` waves that follow it. The stages numbered in ``exchange`` (1 is
-    the fastest) exchange directly instead of by ring (:func:`exchange_reduce_scatter`)."""
+    the fastest) exchange directly instead of by ring (:func:`exchange_reduce_scatter`). ``split``: an
+    allreduce's waves go in parts (:func:`wave_parts`, see Split waves), each listed through every stage
+    before the next."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -175,7 +191,10 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
         b = ScheduleBuilder(collective, p, tuple(w for w in weights for _ in range(p)), algorithm=algorithm)
-        slot = {t: i for i, t in enumerate(_span_order(p, stages, holders, pos))}
+        parts = [_span_order(p, stages, holders, pos)]
+        if split and waves > 1 and len(stages) > 2:
+            parts = wave_parts(p, stages, holders, pos)
+        slot = {t: i for i, t in enumerate(t for part in parts for t in part)}
         targets = {t: [j * p + slot[t] for j in range(k)] for t in range(p)}
     elif collective == "broadcast":
         b = ScheduleBuilder(collective, p, weights, root=root, algorithm=algorithm)
@@ -188,6 +207,10 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     lag = max(0, int(lag)) if collective == "allreduce" else 0
 
     wave = [{t: chunks[w * k // waves:(w + 1) * k // waves] for t, chunks in targets.items()} for w in range(waves)]
+    if collective == "allreduce" and len(parts) > 1:
+        wave = [{t: whole[t] for t in part} for whole in wave for part in parts]
+        lag *= len(parts)
+        spans = -(-spans // len(stages[-2]))
 
     exchange = tuple(sorted({int(s) for s in exchange}))
     up_ops = {s: exchange_reduce_scatter if s in exchange else ring_reduce_scatter for s in range(1, len(stages) + 1)}
@@ -197,17 +220,17 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
         for s in range(len(stages), 0, -1):
             _stage(b, s, holders, children, wave[w], pos, down_ops[s], spans)
 
-    for w in range(waves):
+    for w in range(len(wave)):
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
                 _stage(b, s, holders, children, wave[w], pos, up_ops[s], spans)
         if collective != "reduce_scatter" and w >= lag:
             down(w - lag)
     if collective != "reduce_scatter":
-        for w in range(max(0, waves - lag), waves):
+        for w in range(max(0, len(wave) - lag), len(wave)):
             down(w)
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
-                   span_pieces=spans, lag=lag, exchange_stages=list(exchange),
+                   span_pieces=spans, lag=lag, exchange_stages=list(exchange), wave_parts=len(wave) // waves,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -283,6 +306,25 @@ def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
             ring_op(b, list(members), [blocks.get(r, []) for r in members])
 
 
+def wave_parts(p, stages, holders, pos):
+    """The parts an allreduce's waves are split into (see Split waves), in the order they are listed:
+    targets whose first-stage holder has the same place in its group (the same GPU of every host) and,
+    among them, the same *diagonal* of the stage below the top: ``(i + j) mod m`` for the ``j``-th
+    target (in span order) of sub-group ``i`` of ``m`` (of rack ``i`` of ``m``). Every ring member of
+    that stage then holds one target of each diagonal (one per rack), so a part's rings there carry one
+    chunk per member, and each part's top-stage rings start from every rack alike. Each part is in span
+    order."""
+    spanned = _span_order(p, stages, holders, pos)
+    index = {t: i for i, t in enumerate(spanned)}
+    subs = stages[-2]
+    diagonal = {t: (i + j) % len(subs) for i, g in enumerate(subs) for j, t in enumerate(sorted(g, key=index.get))}
+    first = holders[1][0]
+    parts = {}
+    for t in spanned:
+        parts.setdefault((pos[first[t]], diagonal[t]), []).append(t)
+    return [parts[key] for key in sorted(parts)]
+
+
 def _span_order(p, stages, holders, pos):
     """Targets ordered so that the targets a stage's ring member holds are consecutive, at every stage:
     by the position of their holder in one group of every stage, lowest stage first (on a uniform
@@ -313,6 +355,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
                      SPAN_PIECES[-1])
         return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
                                      lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0, exchange=exchange,
+                                     split=True,
                                      stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
 
     if not waved:
@@ -331,7 +374,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         sched = build(tiers, k, lift, exchange)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
-                      "exchange": list(exchange), "operations": sched.nops, "seconds": seconds})
+                      "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "operations": sched.nops,
+                      "seconds": seconds})
         if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops)):
             kept = (seconds, tiers, sched)
 

@@ -289,6 +289,31 @@ def check_hierarchical_exchange():
     c.Free()
 
 
+class SplitHierarchy:
+    """hierarchical over three stages (hosts of two ranks, two racks, all), in ramped waves split into
+    parts (the same place in the host, the same diagonal across the racks), with the lag and spans."""
+
+    def schedule(self, collective, nbytes, algorithm=None, root=0):
+        from ddl.algorithms.hierarchical import hierarchical_schedule
+        hosts = [list(range(i, min(i + 2, p))) for i in range(0, p, 2)]
+        racks = [list(range((p + 3) // 4 * 2)), list(range((p + 3) // 4 * 2, p))]
+        return hierarchical_schedule(list(range(p)), [hosts, racks], collective, 4, root, waves=4, ramped=True,
+                                     lag=2, split=True)
+
+
+def check_hierarchical_split_waves():
+    """Waves split into parts on three stages (5 ranks: unequal hosts and racks): every collective
+    right and bitwise the same everywhere."""
+    if p < 5:
+        return
+    c = ddl.Communicator(WORLD, planner=SplitHierarchy())
+    chk.ok(c.plan(4 << 20).info["wave_parts"] > 1, "hierarchical: waves not split")
+    for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
+        for count in (7 * p, 300_000):
+            run(c, count, f"hierarchical split waves {coll} {count}")
+    c.Free()
+
+
 class SpanRings:
     """A planner of ring schedules that send most of a block's pieces as one span (one message) and its
     first piece alone, and gather whole blocks as spans: spans and chunks of one block mix, so the
@@ -541,6 +566,7 @@ if mode == "full" or p in (5, 8):
     check_algorithms()
     check_hierarchical_ramped_waves()
     check_hierarchical_exchange()
+    check_hierarchical_split_waves()
     check_ring_channels()
     check_ring_packing()
     check_spans()
