@@ -8,9 +8,9 @@ import pytest
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import _holders, wave_parts
-from ddl.algorithms.hierarchical import (CHOOSE_VARIANTS_OPS, MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, WAVE_CAPS,
-                                        WAVE_LAG, WAVE_MIN_BYTES, ramp, stage_partitions, variant_gain, wave_depth)
+from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, SPAN_PIECES, WAVE_CAPS, WAVE_LAG,
+                                        WAVE_MIN_BYTES, _holders, ramp, stage_partitions, variant_gain, wave_depth,
+                                        wave_parts)
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.ring_packing import MAX_RANKS as PACKING_MAX_RANKS
@@ -455,19 +455,28 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
         verify(ALGORITHMS["hierarchical"](topo, collective, root=3, nbytes=nbytes))
 
 
-def test_hierarchical_tries_no_variants_on_large_schedules(monkeypatch):
-    # 192 ranks: even the smallest schedule with waves exceeds what is simulated to choose; every
-    # tier and the rule's wave count are taken as they are
+@pytest.mark.parametrize("racks", [3, 4])
+def test_hierarchical_tries_no_variants_on_large_schedules(monkeypatch, racks):
+    # 192 and 256 ranks: even the smallest schedule with waves exceeds what is simulated to choose;
+    # every tier is taken, with as many waves as the floor and the budget allow for those stages
     import importlib
 
     hier = importlib.import_module("ddl.algorithms.hierarchical")
     monkeypatch.setattr(hier, "simulate", lambda *a, **k: pytest.fail("simulated a large schedule"))
-    topo = Topology.load(ZOO / "ibm-3tier-192.yaml")
-    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=256 << 20)
-    p = topo.nranks
-    assert 192 * 2 * 4 * (p - 1) > CHOOSE_VARIANTS_OPS
-    assert (sched.info["chunks_per_target"], sched.info["lift"]) == wave_depth(256 << 20, p, 4 * (p - 1))
-    assert "variants_tried" not in sched.info
+    topo = three_tier(gpus=4, hosts=16, racks=racks)
+    nbytes, p = 256 << 20, topo.nranks
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    info = sched.info
+    assert "variants_tried" not in info and len(info["stages"]) == 3
+    k, lift = info["chunks_per_target"], info["lift"]
+    assert k > 1 and sched.nops <= MAX_WAVE_OPS
+    assert nbytes * (1 + lift) // (p * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
+    # one wave more, even with the fewest spans, breaks the budget or the floor at every lift
+    tiers = [st["groups"] for st in info["stages"]][:-1]
+    more = hierarchical_schedule(info["order"], tiers, "allreduce", k + 1, waves=k + 1, ramped=True,
+                                 span_pieces=SPAN_PIECES[-1], lag=WAVE_LAG, split=True)
+    assert more.nops > MAX_WAVE_OPS or all(nbytes * (1 + up) // (p * sum(ramp(k + 1, up))) < WAVE_MIN_BYTES
+                                           for up in range(MAX_LIFT + 1))
 
 
 def test_hierarchical_lag_lets_the_way_up_run_ahead():

@@ -72,12 +72,15 @@ while the first wave went round the hosts of each rack. With three stages or mor
 therefore lists each wave in parts (:func:`wave_parts`): the targets held by one GPU of every host,
 and among them one *diagonal* across the racks, so that the part's in-rack rings carry one chunk
 per member and its rings across the racks start from every rack alike; each part goes through
-every stage before the next. The messages are the same, reordered (a part's members send its runs
-in ``1/m`` of the spans, ``m`` racks); the uplinks start after 1.5 ms: 1.043 of the bound instead of
-1.103, on the 32-rank three-tier test cluster 1.019 instead of 1.032. With two stages nothing waits
-that way (on the DGX A100 clusters the parts were predicted 0.2-2% slower), so nothing is split.
-The parts make the 192-rank schedule's simulation about three times slower (5 s instead of 2 s),
-since its rings no longer step together.
+every stage before the next. The bytes are the same and the messages about as many (a first-stage
+member sends a part's run in ``1/m`` of the spans, ``m`` racks; 310272 operations instead of 291840);
+the uplinks start after 1.5 ms: 1.043 of the bound instead of 1.103, on the 32-rank three-tier test
+cluster 1.019 instead of 1.032. ``g`` places and ``m`` racks make ``g m`` parts, so even a single
+wave pipelines: at 512 ranks (8 racks), where the budget allows one wave, 32 parts take it from
+1.330 to 1.068 of the bound (the ring: 1.141), and 1024 ranks to 1.036 (the ring: 1.065). With two
+stages nothing waits that way (on the DGX A100 clusters the parts were predicted 0.2-2% slower), so
+nothing is split. The parts make the simulation slower (the 192-rank schedule's 5 s instead of
+2 s), since the rings no longer step together.
 
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) were predicted 1.4-2.2% faster than
@@ -89,12 +92,15 @@ bound against 1.080. So where the schedules are small enough to simulate in a mo
 (``CHOOSE_VARIANTS_OPS``), the variants are built and simulated on the topology: every tier,
 then each tier left out in turn, with the most waves that fit under a cap of 8; then, on the
 stages kept, the most waves under caps of 12 and 16; then the fastest stage exchanging directly,
-where its groups have more than two ranks. Larger schedules take every tier and the cap of 8
-untried. More waves are more messages, which the simulator charges nothing for, and on
-the emulated one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster
-than eight ran 7% slower (544-558 ms against 507-515 ms, two paired runs). So a variant with more
-operations replaces the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster;
-one with no more (fewer tiers, or the exchange: as many messages as the rings) wherever it is faster.
+where its groups have more than two ranks. Larger schedules take every tier, untried, with the most
+waves under the cap of 8 that the floor and the budget allow for those stages (the variants share
+one count, which fits the largest of them; at 256 ranks in three tiers that was two waves, 1.071 of
+the bound, where the stages kept allow three, 1.037). More waves are more messages, which the
+simulator charges nothing for, and on the emulated one-switch cluster (64 MiB, links at a fifth)
+sixteen waves predicted 0.25% faster than eight ran 7% slower (544-558 ms against 507-515 ms, two
+paired runs). So a variant with more operations replaces the one kept so far only where it is
+predicted ``MIN_VARIANT_GAIN`` (1%) faster; one with no more (fewer tiers, or the exchange: as many
+messages as the rings) wherever it is faster.
 """
 from itertools import combinations
 
@@ -192,7 +198,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
         b = ScheduleBuilder(collective, p, tuple(w for w in weights for _ in range(p)), algorithm=algorithm)
         parts = [_span_order(p, stages, holders, pos)]
-        if split and waves > 1 and len(stages) > 2:
+        if split and len(stages) > 2:
             parts = wave_parts(p, stages, holders, pos)
         slot = {t: i for i, t in enumerate(t for part in parts for t in part)}
         targets = {t: [j * p + slot[t] for j in range(k)] for t in range(p)}
@@ -361,12 +367,13 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     if not waved:
         return build(parts, pipeline_depth(nbytes, pieces))
     tier_sets = _tier_sets(p, parts)
-    ops_per_wave = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
-                       for tiers in tier_sets or [parts])
-    depths = sorted({wave_depth(nbytes, pieces, ops_per_wave, most) for most in WAVE_CAPS})
+    ops_per_wave = {id(tiers): _ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
+                    for tiers in tier_sets + [parts]}
+    most_ops = max(ops_per_wave[id(tiers)] for tiers in tier_sets or [parts])
+    depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
-            or depths[-1][0] * ops_per_wave > CHOOSE_VARIANTS_OPS):
-        return build(parts, *depths[0])
+            or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
+        return build(parts, *wave_depth(nbytes, pieces, ops_per_wave[id(parts)]))
     tried, kept = [], None
 
     def consider(tiers, k, lift, exchange=()):
@@ -400,14 +407,20 @@ def variant_gain(ops, kept_ops):
 def _ops_per_wave(p, stages, collective, span_pieces):
     """Operations one wave adds to the schedule: a send and a receive per message. An allreduce ring
     member sends its share in up to ``span_pieces`` spans per step (:func:`_span_order`), to each of
-    the other members of its ring, up and back down; other collectives send a chunk per target."""
+    the other members of its ring, up and back down; other collectives send a chunk per target. With
+    three stages or more the waves go in parts (:func:`wave_parts`): a first-stage member then sends
+    each of its ``m`` diagonals (``m`` groups below the top) in ``1/m`` of the spans, a member of a
+    later stage a message per target it holds (a part has one of them)."""
     if collective != "allreduce":
         return 2 * (p - 1) * (1 if collective == "broadcast" else p)
+    m = len(stages[-2]) if len(stages) > 2 else 0
     total, below = 0, [(r,) for r in range(p)]
-    for groups in stages:
+    for s, groups in enumerate(stages):
         for group in groups:
             kids = sum(1 for g in below if g[0] in group)
-            total += len(group) * (kids - 1) * min(span_pieces, -(-p // len(group)))
+            held = -(-p // len(group))
+            messages = (min(span_pieces, held) if not m else held if s else min(m * -(-span_pieces // m), held))
+            total += len(group) * (kids - 1) * messages
         below = groups
     return 4 * total
 
