@@ -9,8 +9,8 @@ from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, SPAN_PIECES, WAVE_CAPS, WAVE_LAG,
-                                        WAVE_MIN_BYTES, _holders, ramp, stage_partitions, variant_gain, wave_depth,
-                                        wave_parts)
+                                        WAVE_MIN_BYTES, _holders, ramp, share_weights, stage_partitions, variant_gain,
+                                        wave_depth, wave_parts)
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.ring_packing import MAX_RANKS as PACKING_MAX_RANKS
@@ -432,7 +432,7 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     for t in tried:
         again = hierarchical_schedule(order, [by_size[n] for n in t["stages"] if n > 1], "allreduce", t["waves"],
                                       waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG,
-                                      exchange=t["exchange"], split=True)
+                                      exchange=t["exchange"], split=True, balanced=t["balanced"])
         assert [len(st["groups"]) for st in again.info["stages"]] == t["stages"]
         assert again.info["wave_parts"] == t["wave_parts"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
@@ -554,6 +554,47 @@ def test_hierarchical_split_waves():
                                  ramped=True, split=True).info["wave_parts"] == 1
 
 
+def uneven_racks(hosts=(4, 4, 2), gpus=2):
+    """Racks of unequal host counts on one spine (hosts at 100 Gbit/s, rack uplinks at 50 Gbit/s)."""
+    nodes, links, ranks = [{"id": "spine", "kind": "switch"}], [], []
+    for r, count in enumerate(hosts):
+        nodes.append({"id": f"r{r}", "kind": "switch"})
+        links.append({"a": f"r{r}", "b": "spine", "bandwidth": "50 Gbit/s"})
+        for h in range(count):
+            nodes.append({"id": f"r{r}/h{h}", "kind": "host"})
+            links.append({"a": f"r{r}/h{h}", "b": f"r{r}", "bandwidth": "100 Gbit/s"})
+            for g in range(gpus):
+                ranks.append(f"r{r}/h{h}/gpu{g}")
+                nodes.append({"id": ranks[-1], "kind": "gpu"})
+                links.append({"a": ranks[-1], "b": f"r{r}/h{h}", "bandwidth": "80 GB/s"})
+    return Topology.from_dict({"name": "uneven-racks", "defaults": {"latency": "1 us"}, "nodes": nodes,
+                               "links": links, "ranks": ranks})
+
+
+def test_hierarchical_equal_shares_for_unequal_racks():
+    # racks of 8, 8 and 4 ranks: with a share per rank the small rack reduces 1/5 of the buffer and
+    # ships the other 4/5 of it out through its uplink, the large ones 3/5; every uplink is as fast,
+    # so the small rack's binds. With equal shares per rack (its ranks' chunks twice as large) every
+    # uplink carries the same bytes.
+    topo = uneven_racks()
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    info = sched.info
+    assert info["balanced"] and [t["balanced"] for t in info["variants_tried"]][-1]
+    verify(sched)
+    assert set(share_weights(topo.nranks, stage_partitions(topo.nranks, [st["groups"] for st in info["stages"]]))) \
+        == {1, 2}
+    per_rank = hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "allreduce",
+                                     info["chunks_per_target"], waves=info["waves"], ramped=True, lift=info["lift"],
+                                     lag=WAVE_LAG, split=True)
+    fair, skewed = simulate(topo, sched, nbytes), simulate(topo, per_rank, nbytes)
+    up = [(f"r{r}", "spine") for r in range(3)]
+    assert [fair.link_bytes[u] for u in up] == pytest.approx([fair.link_bytes[up[0]]] * 3)
+    assert skewed.link_bytes[up[2]] > 1.1 * skewed.link_bytes[up[0]]
+    assert fair.seconds < 0.97 * skewed.seconds
+    assert fair.seconds <= 1.02 * lower_bound(topo, "allreduce", nbytes).seconds
+
+
 def test_hierarchical_unequal_groups():
     # hosts of 4, 2 and 3 GPUs: unequal groups still give a correct schedule for every collective
     order = list(range(9))
@@ -568,10 +609,11 @@ def test_hierarchical_unequal_groups():
     racks = [[[0, 1, 2, 3, 4, 5], [6, 7, 8]]]                  # and three stages, the waves split
     for k in (2, 3):
         for lag in (0, 1):
-            sched = hierarchical_schedule(order, parts + racks, "allreduce", k, waves=k, ramped=True, lag=lag,
-                                          split=True)
-            assert sched.info["wave_parts"] > 1
-            verify(sched)
+            for balanced in (False, True):
+                sched = hierarchical_schedule(order, parts + racks, "allreduce", k, waves=k, ramped=True, lag=lag,
+                                              split=True, balanced=balanced)
+                assert sched.info["wave_parts"] > 1 and sched.info["balanced"] == balanced
+                verify(sched)
     assert [len(s) for s in stage_partitions(9, parts)] == [3, 1]
     with pytest.raises(PlanError, match="not nested"):
         stage_partitions(4, [[[0, 1], [2, 3]], [[0, 2], [1, 3]]])

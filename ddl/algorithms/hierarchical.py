@@ -82,6 +82,17 @@ stages nothing waits that way (on the DGX A100 clusters the parts were predicted
 nothing is split. The parts make the simulation slower (the 192-rank schedule's 5 s instead of
 2 s), since the rings no longer step together.
 
+Equal shares. An allreduce may cut its buffer among the targets in any proportion. With a share per
+rank, a group of the stage below the top (a rack) reduces its ranks' share of the buffer and ships
+the rest out: on racks of 16, 16 and 8 ranks the small rack sends 4/5 of the buffer through its
+uplink each way, the large ones 3/5, and with uplinks alike the small rack's binds. Where those
+groups are unequal the variants therefore end with one whose groups hold equal shares
+(:func:`share_weights`: the small rack's ranks hold chunks twice as large), and every uplink carries
+2/3 each way: 1.015 of the bound instead of 1.063 on those racks (4 GPUs per host). Large
+schedules, which try no variants, take equal shares wherever the groups are unequal (racks of 32,
+32 and 16 ranks: 1.026 instead of 1.072). The variant keeps the waves of the one kept so far, or
+fewer where its smaller chunks would fall under the floor.
+
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) were predicted 1.4-2.2% faster than
 eight before the lag, on the oversubscribed leaf-spine 3% slower; with the lag, eight are best on
@@ -102,6 +113,7 @@ paired runs). So a variant with more operations replaces the one kept so far onl
 predicted ``MIN_VARIANT_GAIN`` (1%) faster; one with no more (fewer tiers, or the exchange: as many
 messages as the rings) wherever it is faster.
 """
+import math
 from itertools import combinations
 
 from ..errors import PlanError
@@ -176,7 +188,8 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
-                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), split=False, **info):
+                          lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), split=False, balanced=False,
+                          **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
@@ -186,7 +199,8 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     after the way up of the ``lag`` waves that follow it. The stages numbered in ``exchange`` (1 is
     the fastest) exchange directly instead of by ring (:func:`exchange_reduce_scatter`). ``split``: an
     allreduce's waves go in parts (:func:`wave_parts`, see Split waves), each listed through every stage
-    before the next."""
+    before the next. ``balanced``: an allreduce's groups below the top stage hold equal shares
+    (:func:`share_weights`, see Equal shares) instead of one per rank."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -196,11 +210,13 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     weights = ramp(k, lift) if ramped else (1,) * k
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
-        b = ScheduleBuilder(collective, p, tuple(w for w in weights for _ in range(p)), algorithm=algorithm)
         parts = [_span_order(p, stages, holders, pos)]
         if split and len(stages) > 2:
             parts = wave_parts(p, stages, holders, pos)
-        slot = {t: i for i, t in enumerate(t for part in parts for t in part)}
+        slots = [t for part in parts for t in part]
+        share = share_weights(p, stages) if balanced else (1,) * p
+        b = ScheduleBuilder(collective, p, tuple(w * share[t] for w in weights for t in slots), algorithm=algorithm)
+        slot = {t: i for i, t in enumerate(slots)}
         targets = {t: [j * p + slot[t] for j in range(k)] for t in range(p)}
     elif collective == "broadcast":
         b = ScheduleBuilder(collective, p, weights, root=root, algorithm=algorithm)
@@ -237,6 +253,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
             down(w)
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
                    span_pieces=spans, lag=lag, exchange_stages=list(exchange), wave_parts=len(wave) // waves,
+                   balanced=bool(balanced and collective == "allreduce"),
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -331,6 +348,20 @@ def wave_parts(p, stages, holders, pos):
     return [parts[key] for key in sorted(parts)]
 
 
+def share_weights(p, stages):
+    """Integer weight of every target's chunks in a balanced allreduce (see Equal shares): the groups
+    of the stage below the top hold equal shares of the buffer, split evenly among their ranks."""
+    if len(stages) < 2:
+        return (1,) * p
+    groups = stages[-2]
+    whole = math.lcm(*(len(g) for g in groups))
+    weight = [0] * p
+    for g in groups:
+        for t in g:
+            weight[t] = whole // len(g)
+    return tuple(weight)
+
+
 def _span_order(p, stages, holders, pos):
     """Targets ordered so that the targets a stage's ring member holds are consecutive, at every stage:
     by the position of their holder in one group of every stage, lowest stage first (on a uniform
@@ -354,18 +385,25 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
 
-    def build(tiers, k, lift=0, exchange=()):
+    def build(tiers, k, lift=0, exchange=(), balanced=False):
         staged = stage_partitions(p, tiers)
         bws = [tier_bw.get(groups) for groups in staged]
         spans = next((q for q in SPAN_PIECES if k * _ops_per_wave(p, staged, collective, q) <= MAX_WAVE_OPS),
                      SPAN_PIECES[-1])
         return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
                                      lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0, exchange=exchange,
-                                     split=True,
+                                     split=True, balanced=balanced,
                                      stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
 
     if not waved:
         return build(parts, pipeline_depth(nbytes, pieces))
+
+    def uneven(tiers):
+        """Whether ``tiers``' groups below the top are of unequal sizes (an allreduce's equal shares
+        then differ from one per rank), and the pieces of a buffer its smallest share is."""
+        share = share_weights(p, stage_partitions(p, tiers))
+        return collective == "allreduce" and len(set(share)) > 1, -(-sum(share) // min(share))
+
     tier_sets = _tier_sets(p, parts)
     ops_per_wave = {id(tiers): _ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
                     for tiers in tier_sets + [parts]}
@@ -373,16 +411,18 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
             or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
-        return build(parts, *wave_depth(nbytes, pieces, ops_per_wave[id(parts)]))
+        balanced, shares = uneven(parts)
+        return build(parts, *wave_depth(nbytes, shares if balanced else pieces, ops_per_wave[id(parts)]),
+                     balanced=balanced)
     tried, kept = [], None
 
-    def consider(tiers, k, lift, exchange=()):
+    def consider(tiers, k, lift, exchange=(), balanced=False):
         nonlocal kept
-        sched = build(tiers, k, lift, exchange)
+        sched = build(tiers, k, lift, exchange, balanced)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
-                      "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "operations": sched.nops,
-                      "seconds": seconds})
+                      "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
+                      "operations": sched.nops, "seconds": seconds})
         if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops)):
             kept = (seconds, tiers, sched)
 
@@ -393,6 +433,11 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     info = kept[2].info
     if max(info["stages"][0]["group_sizes"]) > 2:   # then the fastest stage exchanging directly
         consider(kept[1], info["chunks_per_target"], info["lift"], (1,))
+    balanced, shares = uneven(kept[1])
+    if balanced:                       # then equal shares for unequal groups, as many waves as they allow
+        info = kept[2].info
+        consider(kept[1], *wave_depth(nbytes, shares, ops_per_wave[id(kept[1])], info["chunks_per_target"]),
+                 tuple(info["exchange_stages"]), True)
     kept[2].info["variants_tried"] = tried
     return kept[2]
 

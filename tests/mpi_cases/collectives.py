@@ -291,23 +291,28 @@ def check_hierarchical_exchange():
 
 class SplitHierarchy:
     """hierarchical over three stages (hosts of two ranks, two racks, all), in ramped waves split into
-    parts (the same place in the host, the same diagonal across the racks), with the lag and spans."""
+    parts (the same place in the host, the same diagonal across the racks), with the lag and spans; an
+    allreduce's racks hold equal shares (unequal racks: chunks of unequal sizes)."""
 
     def schedule(self, collective, nbytes, algorithm=None, root=0):
         from ddl.algorithms.hierarchical import hierarchical_schedule
         hosts = [list(range(i, min(i + 2, p))) for i in range(0, p, 2)]
         racks = [list(range((p + 3) // 4 * 2)), list(range((p + 3) // 4 * 2, p))]
         return hierarchical_schedule(list(range(p)), [hosts, racks], collective, 4, root, waves=4, ramped=True,
-                                     lag=2, split=True)
+                                     lag=2, split=True, balanced=True)
 
 
 def check_hierarchical_split_waves():
-    """Waves split into parts on three stages (5 ranks: unequal hosts and racks): every collective
-    right and bitwise the same everywhere."""
+    """Waves split into parts on three stages, racks holding equal shares (5 ranks: unequal hosts and
+    racks): every collective right and bitwise the same everywhere."""
     if p < 5:
         return
     c = ddl.Communicator(WORLD, planner=SplitHierarchy())
-    chk.ok(c.plan(4 << 20).info["wave_parts"] > 1, "hierarchical: waves not split")
+    sched = c.plan(4 << 20)
+    chk.ok(sched.info["wave_parts"] > 1, "hierarchical: waves not split")
+    first_rack = (p + 3) // 4 * 2            # unequal racks: the ramp's two sizes times two shares
+    chk.ok(sched.info["balanced"] and (len(set(sched.pattern)) > 2) == (first_rack != p - first_rack),
+           f"hierarchical: shares not balanced: {sorted(set(sched.pattern))}")
     for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
         for count in (7 * p, 300_000):
             run(c, count, f"hierarchical split waves {coll} {count}")
