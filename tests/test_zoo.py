@@ -23,6 +23,7 @@ EXPECTED = {
     "fat-tree-4x4-r16": (16, 0),
     "fat-tree-4x4-r4-interleaved": (16, 0),
     "ibm-3tier-192": (192, 48),
+    "ibm-3tier-fragment": (40, 10),
     "hetero-cluster": (32, 6),
     "emulated-2rack": (8, 4),
     "emulated-2rack-interleaved": (8, 4),
@@ -97,6 +98,19 @@ def test_ibm_three_tiers():
     assert tiers[2].groups == (tuple(range(192)),)
     assert all(len(members) == 4 for members in topo.hosts.values())
     assert topo.host_of(5) == "r0/h1" and topo.host_of(191) == "r2/h15"
+
+
+def test_ibm_fragment_plans_equal_rack_shares():
+    # racks of 16, 16 and 8 ranks: auto's allreduce gives every rack an equal share of the buffer, so
+    # the three uplinks carry the same bytes, and comes within 2% of the bound
+    from ddl.planner import Planner
+
+    topo = load("ibm-3tier-fragment")
+    tiers = topo.tiers
+    assert [sorted(len(g) for g in t.groups) for t in tiers] == [[4] * 10, [8, 16, 16], [40]]
+    plan = Planner(topo, use_disk_cache=False).plan("allreduce", 256 << 20)
+    assert plan.algorithm == "hierarchical" and plan.schedule.info["balanced"]
+    assert plan.gap <= 1.02
 
 
 def test_emulated_two_racks():
@@ -192,6 +206,7 @@ KNOWN_ALLGATHER_ALGBW = {
     "emulated-2rack": 25e6,
     "emulated-flat": 8 * 1.25 / 6 * GB,
     "ibm-3tier-192": 9.375 * GB,
+    "ibm-3tier-fragment": 40 * 6.25 / 32 * GB,
     "leaf-spine-2rack": 32 * 12.5 / 28 * GB,
     "hetero-cluster": 32 * 3.125 / 28 * GB,
 }
