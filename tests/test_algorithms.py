@@ -4,6 +4,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
@@ -593,6 +595,33 @@ def test_hierarchical_equal_shares_for_unequal_racks():
     assert skewed.link_bytes[up[2]] > 1.1 * skewed.link_bytes[up[0]]
     assert fair.seconds < 0.97 * skewed.seconds
     assert fair.seconds <= 1.02 * lower_bound(topo, "allreduce", nbytes).seconds
+
+
+@settings(max_examples=60, deadline=None)
+@given(racks=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=2, max_size=3),
+       k=st.integers(1, 3), lag=st.integers(0, 2), exchange=st.sampled_from([(), (1,), (2,)]),
+       split=st.booleans(), balanced=st.booleans())
+def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, split, balanced):
+    # racks of hosts of ranks, all of any sizes: every option of the allreduce gives a correct schedule,
+    # its chunks sized by the ramp and the targets' shares
+    hosts, rack_groups, r = [], [], 0
+    for rack in racks:
+        rack_groups.append([])
+        for size in rack:
+            hosts.append(list(range(r, r + size)))
+            rack_groups[-1].extend(hosts[-1])
+            r += size
+    sched = hierarchical_schedule(list(range(r)), [hosts, rack_groups], "allreduce", k, waves=k, ramped=True, lag=lag,
+                                  exchange=exchange, split=split, balanced=balanced)
+    verify(sched)
+    stages = stage_partitions(r, [hosts, rack_groups])
+    assert sched.info["wave_parts"] > 1 or not split or len(stages) < 3 or r < 2
+    shares = share_weights(r, stages) if balanced else (1,) * r
+    if len(stages) > 1:                     # with equal shares, every group below the top holds as much
+        held = {sum(share_weights(r, stages)[t] for t in g) for g in stages[-2]}
+        assert len(held) == 1
+    for j in range(k):                      # wave j: the ramp's weight times each target's share
+        assert sorted(sched.pattern[j * r:(j + 1) * r]) == sorted(ramp(k)[j] * w for w in shares)
 
 
 def test_hierarchical_unequal_groups():
