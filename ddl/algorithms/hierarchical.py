@@ -210,9 +210,10 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     weights = ramp(k, lift) if ramped else (1,) * k
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
-        parts = [_span_order(p, stages, holders, pos)]
         if split and len(stages) > 2:
             parts = wave_parts(p, stages, holders, pos)
+        else:
+            parts = [_span_order(p, stages, holders, pos)]
         slots = [t for part in parts for t in part]
         share = share_weights(p, stages) if balanced else (1,) * p
         b = ScheduleBuilder(collective, p, tuple(w * share[t] for w in weights for t in slots), algorithm=algorithm)
@@ -405,14 +406,17 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         return collective == "allreduce" and len(set(share)) > 1, -(-sum(share) // min(share))
 
     tier_sets = _tier_sets(p, parts)
-    ops_per_wave = {id(tiers): _ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
-                    for tiers in tier_sets + [parts]}
-    most_ops = max(ops_per_wave[id(tiers)] for tiers in tier_sets or [parts])
+
+    def wave_ops(tiers):
+        """Operations per wave on ``tiers``' stages, with the fewest spans."""
+        return _ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
+
+    most_ops = max(wave_ops(tiers) for tiers in tier_sets or [parts])
     depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
             or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
         balanced, shares = uneven(parts)
-        return build(parts, *wave_depth(nbytes, shares if balanced else pieces, ops_per_wave[id(parts)]),
+        return build(parts, *wave_depth(nbytes, shares if balanced else pieces, wave_ops(parts)),
                      balanced=balanced)
     tried, kept = [], None
 
@@ -436,7 +440,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     balanced, shares = uneven(kept[1])
     if balanced:                       # then equal shares for unequal groups, as many waves as they allow
         info = kept[2].info
-        consider(kept[1], *wave_depth(nbytes, shares, ops_per_wave[id(kept[1])], info["chunks_per_target"]),
+        consider(kept[1], *wave_depth(nbytes, shares, wave_ops(kept[1]), info["chunks_per_target"]),
                  tuple(info["exchange_stages"]), True)
     kept[2].info["variants_tried"] = tried
     return kept[2]

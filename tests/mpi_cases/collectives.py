@@ -289,6 +289,9 @@ def check_hierarchical_exchange():
     c.Free()
 
 
+SPLIT_FIRST_RACK = (p + 3) // 4 * 2        # ranks in SplitHierarchy's first rack (whole hosts of two)
+
+
 class SplitHierarchy:
     """hierarchical over three stages (hosts of two ranks, two racks, all), in ramped waves split into
     parts (the same place in the host, the same diagonal across the racks), with the lag and spans; an
@@ -297,7 +300,7 @@ class SplitHierarchy:
     def schedule(self, collective, nbytes, algorithm=None, root=0):
         from ddl.algorithms.hierarchical import hierarchical_schedule
         hosts = [list(range(i, min(i + 2, p))) for i in range(0, p, 2)]
-        racks = [list(range((p + 3) // 4 * 2)), list(range((p + 3) // 4 * 2, p))]
+        racks = [list(range(SPLIT_FIRST_RACK)), list(range(SPLIT_FIRST_RACK, p))]
         return hierarchical_schedule(list(range(p)), [hosts, racks], collective, 4, root, waves=4, ramped=True,
                                      lag=2, split=True, balanced=True)
 
@@ -310,8 +313,8 @@ def check_hierarchical_split_waves():
     c = ddl.Communicator(WORLD, planner=SplitHierarchy())
     sched = c.plan(4 << 20)
     chk.ok(sched.info["wave_parts"] > 1, "hierarchical: waves not split")
-    first_rack = (p + 3) // 4 * 2            # unequal racks: the ramp's two sizes times two shares
-    chk.ok(sched.info["balanced"] and (len(set(sched.pattern)) > 2) == (first_rack != p - first_rack),
+    unequal = SPLIT_FIRST_RACK != p - SPLIT_FIRST_RACK     # then the ramp's two sizes times two shares
+    chk.ok(sched.info["balanced"] and (len(set(sched.pattern)) > 2) == unequal,
            f"hierarchical: shares not balanced: {sorted(set(sched.pattern))}")
     for coll, run in (("allreduce", _ar), ("reduce_scatter", _rs), ("allgather", _ag), ("broadcast", _bc)):
         for count in (7 * p, 300_000):
