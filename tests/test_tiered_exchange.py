@@ -97,7 +97,7 @@ def test_three_tier_cluster_at_8_bytes():
     assert plan.algorithm == NAME and plan.predicted_seconds == pytest.approx(mine)
 
 
-@pytest.mark.parametrize("stem,why", [("dgx-a100", "one tier"), ("hetero-cluster", "hosts of unequal sizes")])
+@pytest.mark.parametrize("stem,why", [("dgx-a100", "one tier"), ("hetero-cluster", "the groups of its fastest tier have unequal sizes")])
 def test_where_tiers_do_not_fit_it_is_recursive_doubling_and_auto_skips_it(stem, why):
     topo = Topology.load(ZOO / f"{stem}.yaml")
     assert why in REDUNDANT[NAME](topo)

@@ -191,7 +191,7 @@ def _structure(topo):
     hosts = sorted((sorted(g, key=pos.get) for g in stages[0]), key=lambda h: pos[h[0]])
     sizes = {len(h) for h in hosts}
     if len(sizes) > 1:
-        return unfit(f"hosts of unequal sizes {sorted(sizes)}")
+        return unfit(f"the groups of its fastest tier have unequal sizes {sorted(sizes)}")
     units = [[i] for i in range(len(hosts))]      # the units of the tier below, as lists of hosts
     grouped = []
     for groups in stages[1:]:
