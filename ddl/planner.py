@@ -23,6 +23,7 @@ import json
 import math
 import multiprocessing
 import os
+import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,18 +118,26 @@ class Planner:
             sched = self._load(key)
             if sched is None:
                 if algorithm == AUTO:
-                    sched = self.plan(collective, nbytes, AUTO, root).schedule
+                    sched = self.plan(collective, nbytes, AUTO, root).schedule    # cached by plan()
                 else:
                     sched = self._build(algorithm, collective, size_class(nbytes), root)
                     _verified(sched)
-                self._store(key, sched)
+                    self._store(key, sched)
             self._schedules[key] = sched
         return sched
+
+    def cache_file(self, collective, nbytes, algorithm=AUTO, root=0):
+        """Where the disk cache keeps the schedule of this call (None without a disk cache)."""
+        if self.cache_dir is None:
+            return None
+        return self._path((collective, root, algorithm, size_class(nbytes)))
 
     # ---- full plans (with predictions, for users and the CLI) -----------------------------------
     def plan(self, collective, nbytes, algorithm=AUTO, root=0, exhaustive=False):
         """Build, predict and compare; see :class:`Plan`. ``exhaustive``: simulate every candidate to
-        its end, even those that provably lose (for tables that compare them).
+        its end, even those that provably lose (for tables that compare them). The chosen schedule
+        joins both caches unless this planner holds one for the call already, so :meth:`schedule`
+        (what a :class:`ddl.Communicator` runs) finds it for any size of its class.
 
         The cyclic garbage collector is paused throughout: the candidates are millions of small
         containers without cycles, and every collection between two builds would walk all those built
@@ -175,7 +184,10 @@ class Planner:
         bound = lower_bound(self.topo, collective, nbytes, root=root)
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
         reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
-        self._schedules.setdefault((collective, root, algorithm, size_class(nbytes)), sched)
+        key = (collective, root, algorithm, size_class(nbytes))
+        if key not in self._schedules:     # a plan made ahead of a job (``ddl plan``) is found by its ranks
+            self._schedules[key] = sched
+            self._store(key, sched)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 
@@ -208,13 +220,18 @@ class Planner:
     def _store(self, key, sched):
         if self.cache_dir is None:
             return
+        tmp = None
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
+            # a name no other writer uses, on any node of a shared file system; the rename is atomic
+            fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=self._path(key).stem + "-", dir=self.cache_dir)
+            os.close(fd)
             sched.save(tmp)
             os.replace(tmp, self._path(key))
         except OSError:
-            pass  # a read-only home must not stop training; the memory cache still works
+            # a read-only home must not stop training; the memory cache still works
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
 
 _FORKED = None     # what forked workers inherit (see _predict)

@@ -1,6 +1,7 @@
 """The planner's caches: a training step never re-plans, a restarted job reuses its plans from disk,
 and plans chosen by another planner (other algorithms, another revision) or damaged files are not used."""
 import json
+from pathlib import Path
 
 import ddl.planner as planner_module
 from ddl.planner import Planner, flat_topology
@@ -39,3 +40,34 @@ def test_another_planner_or_a_damaged_file_plans_afresh(tmp_path, monkeypatch):
     monkeypatch.setattr(planner_module, "PLANNER_REVISION", planner_module.PLANNER_REVISION + 1)
     Planner(topo, cache_dir=tmp_path).schedule("allreduce", 1 << 20)
     assert len({p.parent.parent for p in tmp_path.rglob("*.json")}) == 3
+
+
+def test_a_plan_made_ahead_is_what_the_job_runs(tmp_path, monkeypatch, capsys):
+    """``ddl plan`` stores its choice where a job's planner looks first: ranks that share the cache
+    folder load it for any size of the class instead of planning (seconds per rank at 192 ranks)."""
+    from ddl.cli import main
+    from ddl.topology import Topology
+
+    path = "topologies/emulated-2rack.yaml"
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    assert main(["plan", path, "--bytes", "48MiB", "--workers", "1", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    saved = Path(record["cache_file"])
+    assert saved.exists() and saved.name == "allreduce-root0-auto-67108864.json"
+    assert main(["plan", path, "--bytes", "48MiB", "--workers", "1"]) == 0
+    assert f"cached      {saved}" in capsys.readouterr().out
+
+    job = Planner(Topology.load(path))                      # what a ddl.Communicator builds
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("a rank planned although the plan was made ahead")
+    monkeypatch.setattr(job, "plan", no_planning)
+    monkeypatch.setattr(job, "_build", no_planning)
+    for nbytes in (33 << 20, 48 << 20, 64 << 20):
+        sched = job.schedule("allreduce", nbytes)
+        assert sched.algorithm == record["algorithm"] and sched.nops == record["operations"]
+    assert job.cache_file("allreduce", 40 << 20) == saved
+    # without a disk cache nothing is stored, and the record says so
+    monkeypatch.setenv("DDL_PLAN_CACHE", "0")
+    assert main(["plan", path, "--bytes", "1MiB", "--workers", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cache_file"] is None

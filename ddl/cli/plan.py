@@ -18,7 +18,10 @@ COMPARED = (("rings", ("ring", "ring-channels")), ("halving-doubling", ("halving
 def register(sub):
     p = sub.add_parser("plan", help="plan a collective on a topology and explain the choice",
                        description="Plan a collective for a topology file: the algorithm chosen and why, "
-                                   "predicted time, algorithm and bus bandwidth, the lower bound and the gap.")
+                                   "predicted time, algorithm and bus bandwidth, the lower bound and the gap. "
+                                   "The chosen schedule goes into the plan cache ($DDL_CACHE_DIR, default "
+                                   "~/.cache/ddl; DDL_PLAN_CACHE=0: not), where the ranks of a job on the "
+                                   "same topology load it instead of planning.")
     p.add_argument("files", nargs="+", metavar="FILE", help="topology file (YAML or JSON); several with --compare")
     p.add_argument("--bytes", default="256MiB", metavar="SIZE",
                    help="message size, e.g. 256MiB, 64MB, 1048576 (default 256MiB)")
@@ -54,17 +57,19 @@ def run(args):
         if not 0 <= args.root < topo.nranks:
             raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
         planner = Planner(topo, workers=args.workers)
-        plans.append((path, topo, planner.plan(args.collective, nbytes, args.algorithm, args.root,
-                                               exhaustive=args.compare)))
+        plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
+        cached = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
+        plans.append((topo, plan, cached if cached is not None and cached.exists() else None))
     if args.save:
-        plans[0][2].schedule.save(args.save)
-    records = [_record(topo, plan, _timeline(topo, plan) if args.timeline else None) for _, topo, plan in plans]
+        plans[0][1].schedule.save(args.save)
+    records = [_record(topo, plan, cached, _timeline(topo, plan) if args.timeline else None)
+               for topo, plan, cached in plans]
     if args.json:
         print(json.dumps(records if args.compare else records[0], indent=2))
     elif args.compare:
         print(_compare_table(records))
     else:
-        print(_explain(plans[0][1], plans[0][2], records[0]))
+        print(_explain(plans[0][0], plans[0][1], records[0]))
         if args.save:
             print(f"schedule written to {args.save}")
     return 0
@@ -99,7 +104,8 @@ def _strip(profile):
     return "".join(TIMELINE_LEVELS[min(top, int(x * top + 0.5))] for x in profile)
 
 
-def _record(topo, plan, timeline=None):
+def _record(topo, plan, cached=None, timeline=None):
+    """The plan as a JSON-ready dict; ``cached``: the disk-cache file that now holds its schedule."""
     from ..bounds import busbw
 
     p = topo.nranks
@@ -127,6 +133,7 @@ def _record(topo, plan, timeline=None):
         "spans": len(sched.spans),
         "operations": sched.nops,
         "busiest_links": [{"link": f"{u}->{v}", "utilisation": util, "bytes": b} for (u, v), util, b in plan.busiest],
+        "cache_file": None if cached is None else str(cached),
         **extra,
     }
 
@@ -153,6 +160,12 @@ def _explain(topo, plan, r):
                      " for")
     spans = f", {r['spans']} spans" if r["spans"] else ""
     lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks{spans}, {r['operations']} operations)")
+    if r["cache_file"]:
+        from ..planner import size_class
+        top = size_class(plan.nbytes)
+        sizes = f"more than {format_size(top // 2)}, up to {format_size(top)}" if top > 1 else "1 B"
+        lines.append(f"cached      {r['cache_file']}\n            (a job's ranks on this topology load it instead of "
+                     f"planning: the plan of every {plan.collective} of its size class, {sizes})")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = f"{secs / plan.predicted_seconds:.2f}x the chosen time" if plan.predicted_seconds else "nothing to move"
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio})")
