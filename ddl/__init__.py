@@ -11,7 +11,7 @@ from .errors import Error, MismatchError, PlanError, ScheduleError, StallError, 
 # Importing ddl never imports mpi4py: ops and buffers need numpy only, and the Communicator class is
 # loaded on first use (mpi4py is imported when one is constructed).
 from .buffers import IN_PLACE  # noqa: E402,F401
-from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM  # noqa: E402,F401
+from .ops import AVG, BAND, BOR, BXOR, LAND, LOR, LXOR, MAX, MIN, PROD, SUM  # noqa: E402,F401
 
 
 def __getattr__(name):

@@ -1,6 +1,6 @@
 """Reduction operations and the dtypes they accept.
 
-``ddl.SUM PROD MIN MAX AVG BAND BOR BXOR`` are :class:`Op` objects. Each reduces with a numpy ufunc,
+``ddl.SUM PROD MIN MAX AVG BAND BOR BXOR LAND LOR LXOR`` are :class:`Op` objects. Each reduces with a numpy ufunc,
 in place (``ufunc(local, incoming, out=local)``), so no temporary is created per chunk. All of them are
 commutative and associative on exact types; on floats the *order* of reduction is a fixed function of
 the schedule, so results are bitwise identical on every rank and every run (``a + b == b + a``
@@ -13,6 +13,8 @@ Dtypes: every numpy integer (``int8`` .. ``int64``, ``uint8`` .. ``uint64``), ``
 Rules (violations raise :class:`ddl.Error` before any communication):
 
 * ``BAND BOR BXOR`` need integers or bool;
+* ``LAND LOR LXOR`` (logical, as MPI's) need integers or bool; on integers the result is 1 or 0 (any
+  non-zero value counts as true), never a bitwise combination;
 * ``MIN MAX`` refuse complex numbers (no order);
 * ``SUM PROD AVG`` refuse bool (numpy would silently turn ``+`` into ``or``);
 * ``AVG`` is ``SUM`` followed by a division by the number of ranks on every rank. It is defined for
@@ -21,8 +23,8 @@ Rules (violations raise :class:`ddl.Error` before any communication):
   yourself, or convert to a float dtype first.
 
 mpi4py users may pass ``MPI.SUM``, ``MPI.PROD``, ``MPI.MIN``, ``MPI.MAX``, ``MPI.BAND``, ``MPI.BOR``,
-``MPI.BXOR`` (and the logical ``MPI.LAND``/``MPI.LOR``/``MPI.LXOR`` on bool), or the names as strings
-(``"sum"``, ``"avg"``, ...).
+``MPI.BXOR``, ``MPI.LAND``, ``MPI.LOR``, ``MPI.LXOR``, or the names as strings (``"sum"``, ``"avg"``,
+``"land"``, ...).
 """
 import sys
 
@@ -55,11 +57,14 @@ AVG = Op("AVG", 5, np.add, frozenset({"float", "complex"}), average=True)
 BAND = Op("BAND", 6, np.bitwise_and, frozenset({"int", "bool"}))
 BOR = Op("BOR", 7, np.bitwise_or, frozenset({"int", "bool"}))
 BXOR = Op("BXOR", 8, np.bitwise_xor, frozenset({"int", "bool"}))
+LAND = Op("LAND", 9, np.logical_and, frozenset({"int", "bool"}))
+LOR = Op("LOR", 10, np.logical_or, frozenset({"int", "bool"}))
+LXOR = Op("LXOR", 11, np.logical_xor, frozenset({"int", "bool"}))
 
-OPS = (SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR)
+OPS = (SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR, LAND, LOR, LXOR)
 _BY_NAME = {op.name: op for op in OPS}
 _BY_CODE = {op.code: op for op in OPS}
-_ALIASES = {"AVERAGE": AVG, "MEAN": AVG, "LAND": BAND, "LOR": BOR, "LXOR": BXOR}
+_ALIASES = {"AVERAGE": AVG, "MEAN": AVG}
 
 
 def _by_name(name):
@@ -128,7 +133,7 @@ def check_op_dtype(op, dtype):
         if op.average and cls == "int":
             raise Error(f"AVG is not defined for integer dtype {np.dtype(dtype)} (ddl, like Horovod, refuses "
                         f"it rather than silently truncating): use SUM and divide, or reduce a float array")
-        if op in (BAND, BOR, BXOR):
+        if op in (BAND, BOR, BXOR, LAND, LOR, LXOR):
             raise Error(f"{op.name} needs an integer or bool dtype, got {np.dtype(dtype)}")
         raise Error(f"{op.name} is not defined for dtype {np.dtype(dtype)}")
 

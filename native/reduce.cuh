@@ -193,6 +193,22 @@ struct OpBxor {
         return (typename Elem<T>::S)(a ^ b);
     }
 };
+// Logical operations (MPI_LAND, MPI_LOR, MPI_LXOR): any non-zero operand is true; the result is 1 or 0.
+struct OpLand {
+    template <class T> static DDL_HD typename Elem<T>::S combine(typename Elem<T>::S a, typename Elem<T>::S b) {
+        return (typename Elem<T>::S)(a != 0 && b != 0);
+    }
+};
+struct OpLor {
+    template <class T> static DDL_HD typename Elem<T>::S combine(typename Elem<T>::S a, typename Elem<T>::S b) {
+        return (typename Elem<T>::S)(a != 0 || b != 0);
+    }
+};
+struct OpLxor {
+    template <class T> static DDL_HD typename Elem<T>::S combine(typename Elem<T>::S a, typename Elem<T>::S b) {
+        return (typename Elem<T>::S)((a != 0) != (b != 0));
+    }
+};
 
 // ---- memory access -------------------------------------------------------------------------------
 static DDL_HD u64 addr(const void* p) { return (u64)(p); }

@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parents[1]
 UFUNC = {"SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum, "BAND": np.bitwise_and,
-         "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
+         "BOR": np.bitwise_or, "BXOR": np.bitwise_xor, "LAND": np.logical_and, "LOR": np.logical_or,
+         "LXOR": np.logical_xor}
 CACHE = K.KernelCache()
 
 

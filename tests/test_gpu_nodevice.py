@@ -303,8 +303,8 @@ def test_native_sources_found_and_overridable(tmp_path, monkeypatch):
 
 def test_every_spec_generates_a_kernel():
     specs = K.all_specs()
-    # 4 arithmetic ops x 12 dtypes + 3 bitwise ops x 8 integer dtypes, each for 1..MAX_INPUTS inputs
-    assert len(specs) == (4 * 12 + 3 * 8) * K.MAX_INPUTS
+    # 4 arithmetic ops x 12 dtypes + 3 bitwise and 3 logical ops x 8 integer dtypes, each for 1..MAX_INPUTS inputs
+    assert len(specs) == (4 * 12 + 6 * 8) * K.MAX_INPUTS
     names = set()
     for op, dt, k in specs:
         name = K.kernel_name(op, dt, k)
@@ -479,7 +479,8 @@ def test_nvrtc_compiles_kernel_sources():
 HARNESS_INPUTS = (1, 2, 3, 8)
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 UFUNC = {"SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum, "BAND": np.bitwise_and,
-         "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
+         "BOR": np.bitwise_or, "BXOR": np.bitwise_xor, "LAND": np.logical_and, "LOR": np.logical_or,
+         "LXOR": np.logical_xor}
 
 
 @pytest.fixture(scope="module")

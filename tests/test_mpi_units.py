@@ -21,13 +21,15 @@ def test_importing_ddl_does_not_import_mpi4py():
 
 
 def test_ops_resolve_and_dtype_rules():
-    assert resolve_op("avg") is ddl.AVG and resolve_op(ddl.MAX) is ddl.MAX and resolve_op("lor") is ddl.BOR
+    assert resolve_op("avg") is ddl.AVG and resolve_op(ddl.MAX) is ddl.MAX and resolve_op("lor") is ddl.LOR
     with pytest.raises(ddl.Error, match="unknown reduction op"):
         resolve_op("median")
     with pytest.raises(ddl.Error, match="AVG is not defined for integer dtype int32"):
         check_op_dtype(ddl.AVG, np.int32)
     with pytest.raises(ddl.Error, match="BAND needs an integer or bool dtype, got float16"):
         check_op_dtype(ddl.BAND, np.float16)
+    with pytest.raises(ddl.Error, match="LXOR needs an integer or bool dtype, got float32"):
+        check_op_dtype(ddl.LXOR, np.float32)
     with pytest.raises(ddl.Error, match="MIN is not defined for dtype complex64"):
         check_op_dtype(ddl.MIN, np.complex64)
     for dt in (np.float16, np.float32, np.int8, np.uint64):
@@ -40,9 +42,21 @@ def test_ops_resolve_and_dtype_rules():
 
 def test_mpi_ops_map():
     from mpi4py import MPI
-    assert resolve_op(MPI.SUM) is ddl.SUM and resolve_op(MPI.BXOR) is ddl.BXOR and resolve_op(MPI.LAND) is ddl.BAND
+    assert resolve_op(MPI.SUM) is ddl.SUM and resolve_op(MPI.BXOR) is ddl.BXOR
+    assert (resolve_op(MPI.LAND), resolve_op(MPI.LOR), resolve_op(MPI.LXOR)) == (ddl.LAND, ddl.LOR, ddl.LXOR)
     with pytest.raises(ddl.Error, match="not supported"):
         resolve_op(MPI.MAXLOC)
+
+
+def test_logical_ops_are_logical_on_integers():
+    """MPI_LAND and friends treat any non-zero integer as true and give 1 or 0: 1 and 2 are both true,
+    although 1 & 2 == 0 (they were once bitwise here)."""
+    a, b = np.array([1, 2, 0, 0, -3], np.int32), np.array([2, 1, 7, 0, 4], np.int32)
+    for op, expect in ((ddl.LAND, [1, 1, 0, 0, 1]), (ddl.LOR, [1, 1, 1, 0, 1]), (ddl.LXOR, [0, 0, 1, 0, 0])):
+        check_op_dtype(op, np.int32)
+        out = a.copy()
+        op.ufunc(out, b, out=out)            # what the executor does, in place
+        assert out.dtype == np.int32 and out.tolist() == expect, op
 
 
 def test_buffer_specs():

@@ -23,10 +23,11 @@ from pathlib import Path
 from ..errors import Error
 from .buffers import DTYPES, device_dtype
 
-OPS = ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR")
-BITWISE = ("BAND", "BOR", "BXOR")
+OPS = ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR")
+BITWISE = ("BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR")     # integers and bool only (logical ones too)
 _OP_STRUCT = {"SUM": "ddl::OpSum", "PROD": "ddl::OpProd", "MIN": "ddl::OpMin", "MAX": "ddl::OpMax",
-              "BAND": "ddl::OpBand", "BOR": "ddl::OpBor", "BXOR": "ddl::OpBxor"}
+              "BAND": "ddl::OpBand", "BOR": "ddl::OpBor", "BXOR": "ddl::OpBxor",
+              "LAND": "ddl::OpLand", "LOR": "ddl::OpLor", "LXOR": "ddl::OpLxor"}
 MAX_INPUTS = 8       # incoming chunks one launch reduces (longer chains are split, in order)
 BLOCK = 256          # threads per block (the kernels declare __launch_bounds__(BLOCK))
 BLOCKS_PER_SM = 8    # grid cap: the grid-stride loop makes any grid correct; this one saturates HBM

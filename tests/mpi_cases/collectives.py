@@ -26,7 +26,8 @@ comm = ddl.Communicator(WORLD, stall_timeout=120)
 ALL_DTYPES = [np.float16, BF16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8,
               np.uint16, np.uint32, np.uint64, np.bool_, np.complex64]
 ALL_DTYPES = [np.dtype(d) for d in ALL_DTYPES if d is not None]
-OPS = [ddl.SUM, ddl.PROD, ddl.MIN, ddl.MAX, ddl.AVG, ddl.BAND, ddl.BOR, ddl.BXOR]
+OPS = [ddl.SUM, ddl.PROD, ddl.MIN, ddl.MAX, ddl.AVG, ddl.BAND, ddl.BOR, ddl.BXOR, ddl.LAND, ddl.LOR, ddl.LXOR]
+LOGICAL = (ddl.LAND, ddl.LOR, ddl.LXOR)
 COUNTS = sorted({0, 1, max(p - 1, 1), 7, 1001})
 if mode == "quick":
     ALL_DTYPES = [np.dtype(d) for d in (np.float16, BF16, np.float32, np.int8, np.uint64, np.bool_) if d is not None]
@@ -49,6 +50,8 @@ def inputs(rank, dt, count, op):
         return rng.integers(0, 2, count).astype(bool)
     if cls == "int":
         info = np.iinfo(dt)
+        if op in LOGICAL:      # 1 and 2 are both true, though 1 & 2 == 0: bitwise would differ
+            return rng.choice([0, 0, 1, 2, 5], count).astype(dt)
         if op is ddl.PROD:
             vals = rng.choice([1, 1, 1, 3] if info.min == 0 else [1, -1, 1, 3], count)
             return vals.astype(dt)
@@ -170,7 +173,8 @@ def check_large():
 def check_nonblocking():
     rng = np.random.default_rng(1000 + r)
     specs = [(np.float32, 5, ddl.SUM), (np.float64, 1001, ddl.MAX), (np.int32, 0, ddl.SUM), (np.int64, 3, ddl.BXOR),
-             (np.float16, 77, ddl.AVG), (np.uint8, 2 * p + 1, ddl.MIN)]
+             (np.float16, 77, ddl.AVG), (np.uint8, 2 * p + 1, ddl.MIN),
+             (np.int32, 300007, ddl.LAND), (np.int16, 300007, ddl.LXOR)]   # beyond the inline limit: scheduled
     reqs, outs = [], []
     for i, (dt, count, op) in enumerate(specs):
         dt = np.dtype(dt)
