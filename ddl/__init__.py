@@ -18,4 +18,7 @@ def __getattr__(name):
     if name in ("Communicator", "Request"):
         from . import communicator
         return getattr(communicator, name)
+    if name == "Topology":           # loaded on first use too (networkx is a heavy import)
+        from .topology import Topology
+        return Topology
     raise AttributeError(f"module 'ddl' has no attribute {name!r}")

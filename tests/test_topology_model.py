@@ -297,3 +297,10 @@ def test_pickle_round_trip():
     topo = two_spines()
     back = pickle.loads(pickle.dumps(topo))
     assert back == topo and back.routes(0, 1) == topo.routes(0, 1)
+
+
+def test_the_package_exports_topology():
+    """``ddl.Topology`` is what the README and the Communicator's errors name."""
+    import ddl
+
+    assert ddl.Topology is Topology and ddl.Topology.load("topologies/emulated-2rack.yaml").nranks == 8
