@@ -475,9 +475,13 @@ class Communicator:
 
     def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False):
         # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
+        # The arrays must still be where they were and as large (ndarray.resize moves them), and recvbuf
+        # writable: otherwise the parsed views in the entry point at memory that is not theirs.
         hit = self._args.get((id(sendbuf), id(recvbuf), id(op)))
         if hit is not None and hit[0] is sendbuf and hit[1] is recvbuf and hit[2] is op and \
-                recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]):
+                recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]) and \
+                hit[6] == _where(recvbuf) and (hit[4] is None or hit[7] == _where(sendbuf)) and \
+                recvbuf.flags.writeable:
             return self._start(*hit[5], blocking)
         send, recv, op_ = self._reduction_args(sendbuf, recvbuf, op)
         if send is None:
@@ -493,7 +497,8 @@ class Communicator:
             if len(self._args) >= 16:
                 del self._args[next(iter(self._args))]
             self._args[(id(sendbuf), id(recvbuf), id(op))] = (
-                sendbuf, recvbuf, op, recvbuf.dtype, None if send is None else sendbuf.dtype, args)
+                sendbuf, recvbuf, op, recvbuf.dtype, None if send is None else sendbuf.dtype, args,
+                _where(recvbuf), None if send is None else _where(sendbuf))
         return ex
 
     def _reduce_scatter_start(self, sendbuf, recvbuf, op, blocking=False):
@@ -723,6 +728,11 @@ class _GroupRequest(Request):
     @property
     def done(self):
         return all(ex.done for ex in self._reqs)
+
+
+def _where(array):
+    """``(data address, element count)`` of an ndarray: what the argument cache must find unchanged."""
+    return array.__array_interface__["data"][0], array.size
 
 
 def _cores():

@@ -116,6 +116,17 @@ expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4, bool), op=ddl.
 ro = np.ones(4)
 ro.flags.writeable = False
 expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), ro), "read-only", label="read-only recvbuf")
+# repeated calls with the same arrays take a shortcut; what can change between calls is checked again
+a, o = np.ones(4), np.zeros(4)
+comm.Allreduce(a, o)
+o.flags.writeable = False
+expect(ddl.Error, lambda: comm.Allreduce(a, o), "read-only", label="recvbuf made read-only between calls")
+o.flags.writeable = True
+a.resize(1000, refcheck=False)       # both move to new memory: the first call's views would be stale
+o.resize(1000, refcheck=False)
+a[:] = r + 1
+comm.Allreduce(a, o)
+chk.ok(np.all(o == p * (p + 1) / 2), f"Allreduce after its arrays were resized in place: {o[:3]}")
 expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), np.empty(5)), "4 elements", "5", label="size mismatch")
 expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), np.empty(4, np.float32)), "float64", "float32",
        label="dtype differs")
