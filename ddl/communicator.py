@@ -48,6 +48,8 @@ in its first ``n`` elements, as in MPI.
 
 Not thread safe: call a Communicator from one thread.
 """
+import math
+import operator
 import os
 
 import numpy as np
@@ -169,7 +171,8 @@ class Communicator:
         ``"always"`` (default, env ``DDL_CHECK``), ``"new"`` or ``"off"``; see :mod:`ddl.agreement`.
     stall_warning, stall_timeout:
         seconds without progress before a warning on stderr / a :class:`ddl.StallError`. Defaults
-        60 and 300, or env ``DDL_STALL_WARNING`` / ``DDL_STALL_TIMEOUT``. Settable later.
+        60 and 300, or env ``DDL_STALL_WARNING`` / ``DDL_STALL_TIMEOUT``. Settable later. Positive;
+        ``math.inf`` turns it off.
     planner:
         optional object with ``schedule(collective, nbytes, algorithm=, root=)`` returning a
         :class:`~ddl.schedule.Schedule` (default :class:`ddl.planner.Planner` on the topology);
@@ -207,9 +210,12 @@ class Communicator:
             if unknown:
                 raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, {', '.join(ALGORITHMS)}")
         if stall_warning is None:
-            stall_warning = _env_float("DDL_STALL_WARNING", _DEFAULT_STALL_WARNING)
+            stall_warning = _seconds("stall_warning", _env_float("DDL_STALL_WARNING", _DEFAULT_STALL_WARNING),
+                                     "env DDL_STALL_WARNING")
         if stall_timeout is None:
-            stall_timeout = _env_float("DDL_STALL_TIMEOUT", _DEFAULT_STALL_TIMEOUT)
+            stall_timeout = _seconds("stall_timeout", _env_float("DDL_STALL_TIMEOUT", _DEFAULT_STALL_TIMEOUT),
+                                     "env DDL_STALL_TIMEOUT")
+        stall_warning, stall_timeout = _seconds("stall_warning", stall_warning), _seconds("stall_timeout", stall_timeout)
 
         if topology is Communicator._UNSET:
             topology = os.environ.get("DDL_TOPOLOGY") or None
@@ -256,7 +262,7 @@ class Communicator:
             self._board = ShmBoard(self._pcomm)
         over = os.environ.get("DDL_OVERSUBSCRIBED", "")
         oversubscribed = local > _cores() if over == "" else over not in ("0", "false", "no")
-        self._engine = Engine(self._pcomm, self._gcomm, float(stall_warning), float(stall_timeout),
+        self._engine = Engine(self._pcomm, self._gcomm, stall_warning, stall_timeout,
                               board=self._board, oversubscribed=oversubscribed)
         self._seq = 0
         self._plans = {}
@@ -326,7 +332,7 @@ class Communicator:
 
     @stall_warning.setter
     def stall_warning(self, seconds):
-        self._engine.stall_warning = float(seconds)
+        self._engine.stall_warning = _seconds("stall_warning", seconds)
 
     @property
     def stall_timeout(self):
@@ -334,7 +340,7 @@ class Communicator:
 
     @stall_timeout.setter
     def stall_timeout(self, seconds):
-        self._engine.stall_timeout = float(seconds)
+        self._engine.stall_timeout = _seconds("stall_timeout", seconds)
 
     @property
     def planner(self):
@@ -533,9 +539,7 @@ class Communicator:
         return self._start("allgather", send, recv, recv.size, recv.dtype, None, 0, send.size, blocking)
 
     def _bcast_start(self, buf, root, blocking=False):
-        root = int(root)
-        if not 0 <= root < self.size:
-            raise Error(f"Bcast: root {root} is not a rank of this communicator (size {self.size})")
+        root = _root(root, self.size)
         b = parse_buffer(buf, "buf", writable=True)
         return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size, blocking)
 
@@ -600,12 +604,14 @@ class Communicator:
 
     def Bcast(self, buf, root=0, stream=None):
         """Every rank's ``buf`` gets ``root``'s."""
+        root = _root(root, self.size)
         dev = self._device_for(buf)
         if dev is not None:
             return dev.Bcast(buf, root=root, stream=stream)
         self._engine.wait(self._bcast_start(buf, root, blocking=True))
 
     def Ibcast(self, buf, root=0, stream=None):
+        root = _root(root, self.size)
         dev = self._device_for(buf)
         if dev is not None:
             return dev.Ibcast(buf, root=root, stream=stream)
@@ -728,6 +734,31 @@ class _GroupRequest(Request):
     @property
     def done(self):
         return all(ex.done for ex in self._reqs)
+
+
+def _seconds(name, value, source=None):
+    """``value`` as a positive number of seconds (``inf``: never), else a :class:`ddl.Error` naming
+    the setting: a timeout of 0, a negative one or NaN would fire at once or never, silently."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not seconds > 0:
+        where = f" ({source})" if source else ""
+        raise Error(f"{name} must be a positive number of seconds (math.inf: never), got {value!r}{where}")
+    return seconds
+
+
+def _root(root, size):
+    """``root`` as a rank of a communicator of ``size`` (an integer, as mpi4py demands: 1.7 is not
+    rank 1), else a :class:`ddl.Error`."""
+    try:
+        rank = operator.index(root)
+    except TypeError:
+        raise Error(f"Bcast: root must be an integer rank, got {root!r}") from None
+    if not 0 <= rank < size:
+        raise Error(f"Bcast: root {rank} is not a rank of this communicator (size {size})")
+    return rank
 
 
 def _where(array):

@@ -134,6 +134,21 @@ expect(ddl.Error, lambda: comm.Reduce_scatter_block(np.ones(3 * p + 1), np.empty
        label="reduce_scatter sizes")
 expect(ddl.Error, lambda: comm.Allgather(np.ones(3), np.empty(3 * p + 1)), "size*n", label="allgather sizes")
 expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=p), f"root {p}", label="bcast root")
+expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=1.7), "integer rank", "1.7", label="bcast root 1.7")
+expect(ddl.Error, lambda: comm.Ibcast(np.ones(3), root=None), "integer rank", "None", label="bcast root None")
+comm.Bcast(b := np.full(2, r, np.int32), root=np.int64(last))
+chk.ok(np.all(b == last), "Bcast with a numpy integer root")
+for bad in (-5, 0, float("nan"), "soon"):
+    expect(ddl.Error, lambda: ddl.Communicator(WORLD, stall_timeout=bad), "stall_timeout must be a positive number",
+           repr(bad), label=f"stall_timeout={bad!r}")
+os.environ["DDL_STALL_WARNING"] = "-5"
+expect(ddl.Error, lambda: ddl.Communicator(WORLD), "stall_warning must be", "env DDL_STALL_WARNING",
+       label="DDL_STALL_WARNING=-5")
+del os.environ["DDL_STALL_WARNING"]
+expect(ddl.Error, lambda: setattr(comm, "stall_warning", 0), "stall_warning must be", label="stall_warning = 0")
+comm.stall_warning = float("inf")              # never warn: allowed
+chk.ok(comm.stall_warning == float("inf") and comm.stall_timeout == 60, "stall settings kept")
+comm.stall_warning = 60
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [1.0, 2.0]), "list", label="list buffer")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op="median"), "median", label="unknown op")
 buf = np.arange(10.0)
