@@ -90,6 +90,8 @@ def parse_sizes(spec, max_bytes=None, factor=None):
         parts = item.split(":")
         if len(parts) == 1:
             sizes.append(_size(parts[0], "--bytes"))
+            if sizes[-1] <= 0:
+                raise Error(f"--bytes {item!r}: nothing to measure; sizes start at one element (e.g. 4 for float32)")
             continue
         if len(parts) not in (2, 3):
             raise Error(f"--bytes {item!r}: a range is MIN:MAX or MIN:MAX:FACTOR, e.g. 8:64MiB or 8:64MiB:4")

@@ -765,7 +765,7 @@ def latency_bound_graph(graph, ranks, collective):
 def lower_bound_graph(graph, ranks, collective, nbytes, root=0):
     """:func:`lower_bound` on a bare ``(graph, ranks)``."""
     bw = bandwidth_bound_graph(graph, ranks, collective, nbytes, root=root)
-    lat = latency_bound_graph(graph, ranks, collective)
+    lat = latency_bound_graph(graph, ranks, collective) if nbytes > 0 else 0.0
     return Bound(max(bw, lat), bw, lat)
 
 
@@ -819,9 +819,10 @@ def latency_bound(topo, collective):
 
 def lower_bound(topo, collective, nbytes, root=0):
     """:class:`Bound` for ``collective`` of ``nbytes`` on ``topo``: the larger of the bandwidth and the
-    latency bounds (each is a bound on its own; their sum is not)."""
+    latency bounds (each is a bound on its own; their sum is not). Nothing to move (0 bytes) takes no
+    time: no message need be sent, so the latency bound is 0 too."""
     bw = bandwidth_bound(topo, collective, nbytes, root=root)
-    lat = latency_bound(topo, collective)
+    lat = latency_bound(topo, collective) if nbytes > 0 else 0.0
     return Bound(max(bw, lat), bw, lat)
 
 

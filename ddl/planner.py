@@ -185,9 +185,9 @@ class Planner:
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
         reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
         key = (collective, root, algorithm, size_class(nbytes))
-        if key not in self._schedules:     # a plan made ahead of a job (``ddl plan``) is found by its ranks
-            self._schedules[key] = sched
-            self._store(key, sched)
+        if nbytes > 0 and key not in self._schedules:   # a plan made ahead of a job (``ddl plan``) is
+            self._schedules[key] = sched                  # found by its ranks (0 bytes: every algorithm
+            self._store(key, sched)                       # ties, so not the 1-byte class's plan)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 

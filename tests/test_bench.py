@@ -262,6 +262,8 @@ def test_size_ranges():
         parse_sizes("1:1GiB,3:3GiB,5:5GiB")
     with pytest.raises(Error, match="start above 0"):
         parse_sizes("0:8")
+    with pytest.raises(Error, match="nothing to measure"):
+        parse_sizes("8,0")
 
 
 def test_pattern_sums_are_exact():

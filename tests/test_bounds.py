@@ -343,6 +343,8 @@ def test_lower_bound_is_max_of_parts():
     assert small.seconds == small.latency_seconds == pytest.approx(2 * 2e-6)
     big = lower_bound_graph(g, ranks, "allreduce", N)
     assert big.seconds == big.bandwidth_seconds == pytest.approx(1.5 * N / (25 * GB))
+    nothing = lower_bound_graph(g, ranks, "allreduce", 0)     # no message need be sent
+    assert nothing.seconds == nothing.latency_seconds == nothing.bandwidth_seconds == 0
     with pytest.raises(PlanError):
         lower_bound_graph(g, ranks, "alltoallv", N)
 

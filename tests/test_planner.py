@@ -124,6 +124,16 @@ def test_plan_text_flags_a_prediction_below_the_latency_bound(capsys, tmp_path, 
     assert "below the latency bound" not in capsys.readouterr().out
 
 
+def test_nothing_to_move_has_a_zero_bound_and_is_not_cached(capsys, tmp_path, monkeypatch):
+    """At 0 bytes every algorithm takes no time and no message need be sent: the bound is 0 (not the
+    latency of one), the gap 1, and the arbitrary choice is not stored as the 1-byte class's plan."""
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--bytes", "0", "--workers", "1", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["predicted_seconds"] == record["bound_seconds"] == record["latency_bound_seconds"] == 0
+    assert record["gap"] == 1.0 and record["cache_file"] is None and not list(tmp_path.rglob("*.json"))
+
+
 def test_plan_text_and_json_show_what_was_stopped_early(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
     topo = str(ZOO / "fat-tree-4x4-r8.yaml")
