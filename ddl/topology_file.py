@@ -323,6 +323,8 @@ def _check_reference(vertex, label_of, where, label, what):
 
 
 # ------------------------------------------------------------------------------------ `for:` expansion
+MAX_REPEATS = 1 << 20      # one for: entry yields at most this many (a typo like 1000000000 fails fast)
+
 
 def _expand(section, entries, where):
     """``(label, entry)`` for every entry of a section, ``for:`` entries repeated."""
@@ -343,6 +345,10 @@ def _expand(section, entries, where):
 def _repeat(entry, where, label):
     """Every repetition of a ``for:`` entry, labelled ``links[3] (i=2, j=5)``."""
     names, values = _loop_variables(entry["for"], where, label)
+    count = math.prod(len(v) for v in values)
+    if count > MAX_REPEATS:
+        _fail(where, label, f"for: repeats this entry {count} times; at most {MAX_REPEATS} (check the counts: "
+                            f"{', '.join(f'{n}: {len(v)}' for n, v in zip(names, values))})")
     body = {key: value for key, value in entry.items() if key != "for"}
     out = []
     for combo in itertools.product(*values):

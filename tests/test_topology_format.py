@@ -5,6 +5,7 @@ import copy
 import json
 import pathlib
 import textwrap
+import time
 
 import pytest
 import yaml
@@ -500,6 +501,16 @@ def test_bad_for_values(tmp_path, spec, fragment):
     data["nodes"].append({"id": "x{i}", "kind": "gpu", "for": spec})
     err = load_error(tmp_path, data)
     assert err.entry == "nodes[4]" and fragment in str(err) and "for: {i: 4, j: [0, 2]}" in str(err)
+
+
+def test_for_with_an_absurd_count_fails_fast(tmp_path):
+    data = mini()
+    data["links"].append({"a": "x{i}", "b": "x{j}", "bandwidth": "1 GB/s", "for": {"i": 100000, "j": 100000}})
+    t0 = time.perf_counter()
+    err = load_error(tmp_path, data)
+    assert time.perf_counter() - t0 < 5      # refused before anything is expanded
+    assert err.entry == "links[4]" and "repeats this entry 10000000000 times; at most 1048576" in str(err)
+    assert "i: 100000, j: 100000" in str(err)
 
 
 def test_for_template_with_unknown_variable(tmp_path):
