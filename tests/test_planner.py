@@ -206,3 +206,15 @@ def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
     assert main(["plan", str(one), "--workers", "1", "--timeline"]) == 0
     out = capsys.readouterr().out
     assert "nothing moves" in out and "predicted   0 s" in out and "nan" not in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers", "0"], "--workers 0: at least 1"),
+    (["--bytes", "12XB"], "--bytes"),
+    (["--root", "9"], "--root 9 is not a rank"),
+    (["--algorithm", "fastest"], "unknown algorithm 'fastest'")])
+def test_plan_user_errors_are_one_line(capsys, tmp_path, monkeypatch, args, message):
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--workers", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddl: error: ") and message in err and err.count("\n") == 1, err

@@ -49,6 +49,8 @@ def run(args):
         nbytes = parse_size(args.bytes)
     except ValueError as exc:
         raise PlanError(f"--bytes: {exc}") from None
+    if args.workers < 1:
+        raise PlanError(f"--workers {args.workers}: at least 1 (the processes that simulate the candidates)")
     if len(args.files) > 1 and not args.compare:
         raise PlanError("several files need --compare")
     plans = []
