@@ -86,6 +86,37 @@ def test_hydra_hostlist_round_robin_and_irregular():
     assert not exact and hosts == "198.18.0.10:1,198.18.0.11:1,198.18.0.10:2"
 
 
+class _Unbuilt:
+    """What :func:`launch.mpiexec_argv` reads of a cluster, without building one (no root needed)."""
+
+    def __init__(self, topo, state_dir):
+        self.plan, self.state_dir = plan_network(topo, "ddl-7"), state_dir
+
+    def host_argv(self, host, argv):
+        return list(argv)
+
+
+def _genv(argv):
+    return {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
+
+
+def test_a_job_larger_than_the_machine_is_told_it_is_oversubscribed(tmp_path, monkeypatch):
+    """Each rank sees only its emulated host's ranks as its node; the launcher knows they all share this
+    machine's cores, and says so when the job outnumbers them (unless the user has)."""
+    topo = two_rack()
+    cluster, placement = _Unbuilt(topo, tmp_path), launch.rank_hosts(topo)
+    monkeypatch.delenv("DDL_OVERSUBSCRIBED", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    env = _genv(launch.mpiexec_argv(cluster, ["prog"], placement))
+    assert env["DDL_OVERSUBSCRIBED"] == "1" and env["DDL_EMULATED_HOSTS"] == "h0,h0,h1,h1,h2,h2,h3,h3"
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert "DDL_OVERSUBSCRIBED" not in _genv(launch.mpiexec_argv(cluster, ["prog"], placement))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("DDL_OVERSUBSCRIBED", "0")        # the user's word stands (hydra passes it on)
+    assert "DDL_OVERSUBSCRIBED" not in _genv(launch.mpiexec_argv(cluster, ["prog"], placement))
+    assert _genv(launch.mpiexec_argv(cluster, ["prog"], placement, env={"X": "1"}))["X"] == "1"
+
+
 def test_nic_chain_bottleneck_and_hostname():
     topo = Topology("chain", [("sw", "switch"), ("r0/h0", "host"), ("r0/h0/nic", "nic"),
                               ("r0/h0/gpu0", "gpu"), ("b", "host"), ("b/gpu0", "gpu")],
@@ -180,6 +211,7 @@ ALLREDUCE = textwrap.dedent("""
     names = comm.gather(socket.gethostname())
     if comm.rank == 0:
         print("ALLREDUCE-OK", ",".join(names), flush=True)
+        print("OVERSUBSCRIBED", os.environ.get("DDL_OVERSUBSCRIBED"), flush=True)
 """)
 
 
@@ -211,6 +243,8 @@ def test_cluster_selfcheck_allreduce_teardown(tmp_path):
                          capture=True)
         assert res.returncode == 0, res.stderr[-2000:]
         assert "ALLREDUCE-OK n0,n0,n1,n1" in res.stdout
+        told = "1" if 4 > (os.cpu_count() or 1) else None
+        assert f"OVERSUBSCRIBED {told}" in res.stdout or "DDL_OVERSUBSCRIBED" in os.environ
     finally:
         cluster.down()
     assert _leftovers(tag, state) == ([], False)
