@@ -209,13 +209,12 @@ class Communicator:
             unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
             if unknown:
                 raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, {', '.join(ALGORITHMS)}")
-        if stall_warning is None:
-            stall_warning = _seconds("stall_warning", _env_float("DDL_STALL_WARNING", _DEFAULT_STALL_WARNING),
-                                     "env DDL_STALL_WARNING")
-        if stall_timeout is None:
-            stall_timeout = _seconds("stall_timeout", _env_float("DDL_STALL_TIMEOUT", _DEFAULT_STALL_TIMEOUT),
-                                     "env DDL_STALL_TIMEOUT")
-        stall_warning, stall_timeout = _seconds("stall_warning", stall_warning), _seconds("stall_timeout", stall_timeout)
+        stall = {}
+        for name, given, default in (("stall_warning", stall_warning, _DEFAULT_STALL_WARNING),
+                                     ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
+            env = f"DDL_{name.upper()}"
+            stall[name] = (_seconds(name, given) if given is not None else
+                           _seconds(name, _env_float(env, default), f"env {env}"))
 
         if topology is Communicator._UNSET:
             topology = os.environ.get("DDL_TOPOLOGY") or None
@@ -262,7 +261,7 @@ class Communicator:
             self._board = ShmBoard(self._pcomm)
         over = os.environ.get("DDL_OVERSUBSCRIBED", "")
         oversubscribed = local > _cores() if over == "" else over not in ("0", "false", "no")
-        self._engine = Engine(self._pcomm, self._gcomm, stall_warning, stall_timeout,
+        self._engine = Engine(self._pcomm, self._gcomm, stall["stall_warning"], stall["stall_timeout"],
                               board=self._board, oversubscribed=oversubscribed)
         self._seq = 0
         self._plans = {}

@@ -1,8 +1,8 @@
 """Reduction operations and the dtypes they accept.
 
-``ddl.SUM PROD MIN MAX AVG BAND BOR BXOR LAND LOR LXOR`` are :class:`Op` objects. Each reduces with a numpy ufunc,
-in place (``ufunc(local, incoming, out=local)``), so no temporary is created per chunk. All of them are
-commutative and associative on exact types; on floats the *order* of reduction is a fixed function of
+``ddl.SUM PROD MIN MAX AVG BAND BOR BXOR LAND LOR LXOR`` are :class:`Op` objects. Each reduces with a
+numpy ufunc, in place (``ufunc(local, incoming, out=local)``), so no temporary is created per chunk. All
+of them are commutative and associative on exact types; on floats the *order* of reduction is a fixed function of
 the schedule, so results are bitwise identical on every rank and every run (``a + b == b + a``
 bitwise in IEEE arithmetic, which is all the schedules rely on).
 
