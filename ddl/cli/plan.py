@@ -144,7 +144,8 @@ def _explain(topo, plan, r):
     """The text form of ``r``, the plan's :func:`_record` (with its timeline, when asked for)."""
     timeline = r.get("timeline")
     lines = [
-        f"topology    {topo.name} ({topo.nranks} ranks, {len(topo.hosts)} hosts)",
+        f"topology    {topo.name} ({topo.nranks} rank{'s' * (topo.nranks != 1)}, {len(topo.hosts)} "
+        f"host{'s' * (len(topo.hosts) != 1)})",
         f"collective  {plan.collective} of {format_size(plan.nbytes)}",
         f"algorithm   {plan.algorithm}",
         f"why         {plan.reason}",
