@@ -1,4 +1,5 @@
-"""Tests of ddl.bounds against the known answers of DESIGN.md and against brute force.
+"""Tests of ddl.bounds against the known answers the zoo files state (DGX-1, fat trees) and against
+brute force.
 
 Graphs are built directly with networkx so that these tests do not depend on ddl.topology; the
 Topology wrappers are exercised through a small stand-in object with the same interface and, when

@@ -1,5 +1,5 @@
-"""Tests of the tree-packing planner: the LP reaches ForestColl's cut bound on the known answers of
-DESIGN.md, its schedules are correct (symbolic verifier), load the links exactly as planned, and
+"""Tests of the tree-packing planner: the LP reaches ForestColl's cut bound on the known answers the
+zoo files state, its schedules are correct (symbolic verifier), load the links exactly as planned, and
 simulate at the bound where the trees are direct (depth 1)."""
 
 import importlib

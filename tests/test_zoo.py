@@ -197,7 +197,7 @@ def test_dgx_h100_links():
 KNOWN_ALLGATHER_ALGBW = {
     "dgx-a100-2x8": 16 * 325 / 15 * GB,   # ForestColl (Zhao et al., 2024): 346.67 GB/s
     "dgx-a100-4x8": 32 * 200 / 24 * GB,   # ForestColl: 266.67 GB/s
-    "fat-tree-4x4-r1": 16 * 4 / 15 * GB,  # DESIGN.md: 4.27 / 4.27 / 2.67 / 1.33 GB/s
+    "fat-tree-4x4-r1": 16 * 4 / 15 * GB,  # the file's known answer: 4.27 / 4.27 / 2.67 / 1.33 GB/s
     "fat-tree-4x4-r4": 16 * 4 / 15 * GB,
     "fat-tree-4x4-r4-interleaved": 16 * 4 / 15 * GB,
     "fat-tree-4x4-r8": 16 * 2 / 12 * GB,
