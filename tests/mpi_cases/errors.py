@@ -155,6 +155,40 @@ buf = np.arange(10.0)
 expect(ddl.Error, lambda: comm.Allreduce(buf[:6], buf[4:]), "overlap", label="overlapping buffers")
 still_works("local errors")
 
+# ---- planners other than ddl's own: their schedules are proven before they run ---------------------------
+from ddl.planner import Planner, flat_topology  # noqa: E402
+from ddl.schedule import Schedule  # noqa: E402
+
+
+def broken(collective, nbytes, root=0):
+    """A ring allreduce whose first reduction became a plain receive: one contribution is lost."""
+    d = Planner(flat_topology(p), use_disk_cache=False).schedule(collective, nbytes, "ring", root).to_dict()
+    for prog in d["programs"]:
+        for op in prog:
+            if op[0] == "reduce":
+                op[0] = "recv"
+                break
+        else:
+            continue
+        break
+    return Schedule.from_dict(d)
+
+
+class Foreign:
+    def schedule(self, collective, nbytes, algorithm="auto", root=0):
+        return broken(collective, nbytes, root)
+
+
+class Subclass(Planner):           # a subclass of ddl's planner is foreign too
+    def schedule(self, collective, nbytes, algorithm="auto", root=0):
+        return broken(collective, nbytes, root)
+
+
+for planner in (Foreign(), Subclass(flat_topology(p), use_disk_cache=False)):
+    c = ddl.Communicator(WORLD, planner=planner, stall_timeout=60)
+    expect(ddl.ScheduleError, lambda: c.Allreduce(ddl.IN_PLACE, np.ones(1 << 16)), "lacks the contribution",
+           label=f"broken schedule from a {type(planner).__name__} planner")
+
 # ---- buffer spec forms -------------------------------------------------------------------------------
 a = np.arange(8, dtype=np.float32) + r
 out = np.zeros(8, np.float32)
