@@ -57,6 +57,7 @@ OP_KINDS = (SEND, RECV, REDUCE)
 _KIND_CODE = {kind: code for code, kind in enumerate(OP_KINDS)}   # Dataflow.kind
 FORMAT = "ddl.schedule/2"          # 2: spans; a schedule of format 1 (no spans) still loads
 _READABLE = ("ddl.schedule/1", FORMAT)
+MAX_PATTERN_TOTAL = 1 << 48            # chunk weights sum to at most this: boundaries stay exact integers
 
 
 class Op(NamedTuple):
@@ -88,8 +89,12 @@ class Schedule:
             raise ScheduleError(f"unknown collective {self.collective!r}; expected one of {', '.join(COLLECTIVES)}")
         if len(self.programs) != self.nranks:
             raise ScheduleError(f"{len(self.programs)} programs for {self.nranks} ranks")
-        if not self.pattern or any((not isinstance(w, (int, np.integer))) or w <= 0 for w in self.pattern):
+        if not self.pattern or any(not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w <= 0
+                                   for w in self.pattern):
             raise ScheduleError(f"chunk pattern must be positive integers, got {self.pattern!r}")
+        if sum(int(w) for w in self.pattern) > MAX_PATTERN_TOTAL:
+            raise ScheduleError(f"chunk pattern weights sum to {sum(int(w) for w in self.pattern)}; at most "
+                                f"{MAX_PATTERN_TOTAL} (2^48), so that chunk boundaries stay exact integers")
         if not 0 <= self.root < self.nranks:
             raise ScheduleError(f"root {self.root} is not a rank of {self.nranks}")
         per_block = len(self.pattern)
@@ -151,7 +156,13 @@ class Schedule:
                                 f"{self.nblocks}, got {count}")
         block = count // self.nblocks
         cum = np.concatenate(([0], np.cumsum(self.pattern, dtype=np.int64)))
-        inner = (block * cum) // cum[-1]  # exact integer arithmetic: no float rounding across ranks
+        # exact integer arithmetic (no float rounding across ranks); in Python's integers where
+        # block * total could leave int64
+        if block * int(cum[-1]) < 1 << 62:
+            inner = (block * cum) // cum[-1]
+        else:
+            total = int(cum[-1])
+            inner = np.array([block * int(c) // total for c in cum], dtype=np.int64)
         starts = (np.arange(self.nblocks, dtype=np.int64)[:, None] * block + inner[None, :-1]).ravel()
         stops = (np.arange(self.nblocks, dtype=np.int64)[:, None] * block + inner[None, 1:]).ravel()
         if self.spans:
@@ -209,15 +220,16 @@ class Schedule:
         if not isinstance(data, dict) or data.get("format") not in _READABLE:
             raise ScheduleError(f"not a ddl schedule (expected \"format\": \"{FORMAT}\")")
         try:
-            programs = tuple(tuple(Op(str(k), int(c), int(p)) for k, c, p in prog) for prog in data["programs"])
-            routes = {(int(r["src"]), int(r["dst"])): tuple((tuple(p["via"]), float(p["share"])) for p in r["paths"])
+            programs = tuple(tuple(_op(k, c, p) for k, c, p in prog) for prog in data["programs"])
+            routes = {(_int(r["src"], "route src"), _int(r["dst"], "route dst")):
+                      tuple((tuple(p["via"]), float(p["share"])) for p in r["paths"])
                       for r in data.get("routes", [])}
-            return cls(collective=data["collective"], nranks=int(data["nranks"]),
-                       pattern=tuple(int(w) for w in data["pattern"]), programs=programs,
-                       root=int(data.get("root", 0)), algorithm=data.get("algorithm", ""),
+            return cls(collective=data["collective"], nranks=_int(data["nranks"], "nranks"),
+                       pattern=tuple(_int(w, "pattern weight") for w in data["pattern"]), programs=programs,
+                       root=_int(data.get("root", 0), "root"), algorithm=data.get("algorithm", ""),
                        info=data.get("info", {}), routes=routes,
-                       spans=tuple((int(f), int(c)) for f, c in data.get("spans", [])))
-        except (KeyError, TypeError, ValueError) as exc:
+                       spans=tuple((_int(f, "span start"), _int(c, "span length")) for f, c in data.get("spans", [])))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ScheduleError(f"malformed schedule: {exc!r}") from None
 
     def to_json(self, indent=None):
@@ -229,6 +241,8 @@ class Schedule:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ScheduleError(f"schedule is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ScheduleError("schedule is not valid JSON: nested too deeply") from None
         return cls.from_dict(data)
 
     def save(self, path):
@@ -243,6 +257,20 @@ class Schedule:
     def __repr__(self):
         return (f"Schedule({self.algorithm or '?'} {self.collective}, {self.nranks} ranks, "
                 f"{self.nchunks} chunks{f' and {len(self.spans)} spans' if self.spans else ''}, {self.nops} ops)")
+
+
+def _int(value, what):
+    """A JSON integer as is; anything else (1.5, "3", true) is refused, not truncated into another value."""
+    if type(value) is not int:
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def _op(kind, chunk, peer):
+    if type(chunk) is not int or type(peer) is not int or type(kind) is not str:
+        raise ValueError(f"an operation is [kind, chunk, peer] with a string and two integers, "
+                         f"got {[kind, chunk, peer]!r}")
+    return _new_op(Op, (kind, chunk, peer))
 
 
 class ScheduleBuilder:

@@ -1,5 +1,6 @@
 """Schedule IR: chunk geometry, dependencies, matching, JSON, and the symbolic verifier."""
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -74,6 +75,18 @@ def test_chunk_ranges_follow_weights():
     sched = Schedule("allreduce", 2, (1, 3), ((), ()))
     assert sched.chunk_ranges(8).tolist() == [[0, 2], [2, 8]]
     assert sched.chunk_ranges(1).tolist() == [[0, 0], [0, 1]]
+
+
+def test_chunk_ranges_stay_exact_for_huge_buffers_and_weights():
+    """block * cumulative weight can leave int64: the ranges are then computed in Python integers."""
+    sched = Schedule("allreduce", 2, (1 << 40, 1), ((), ()))
+    count = 10 ** 7
+    assert sched.chunk_ranges(count).tolist() == [[0, count * (1 << 40) // ((1 << 40) + 1)],
+                                                  [count * (1 << 40) // ((1 << 40) + 1), count]]
+    big = Schedule("allreduce", 2, (3, 5), ((), ())).chunk_ranges(1 << 61)
+    assert big.tolist() == [[0, (1 << 61) * 3 // 8], [(1 << 61) * 3 // 8, 1 << 61]]
+    with pytest.raises(ScheduleError, match="sum to .* at most 281474976710656"):
+        Schedule("allreduce", 2, (1 << 62, 1 << 62), ((), ()))
 
 
 def test_reduce_scatter_count_must_divide():
@@ -368,6 +381,24 @@ def test_bad_json_is_a_schedule_error():
         Schedule.from_json('{"collective": "allreduce"}')
     with pytest.raises(ScheduleError, match="malformed"):
         Schedule.from_json('{"format": "ddl.schedule/1", "collective": "allreduce"}')
+    with pytest.raises(ScheduleError, match="nested too deeply"):
+        Schedule.from_json("[" * 100000 + "]" * 100000)
+
+
+@pytest.mark.parametrize("edit,what", [
+    (lambda d: d["programs"][0][0].__setitem__(2, 1.5), "two integers"),
+    (lambda d: d["programs"][0][0].__setitem__(1, "0"), "two integers"),
+    (lambda d: d["pattern"].__setitem__(0, 0.5), "pattern weight must be an integer, got 0.5"),
+    (lambda d: d["pattern"].__setitem__(0, True), "pattern weight must be an integer, got True"),
+    (lambda d: d.__setitem__("nranks", 3.9), "nranks must be an integer, got 3.9"),
+    (lambda d: d.__setitem__("nranks", float("inf")), "nranks must be an integer"),
+    (lambda d: d.__setitem__("root", 1.7), "root must be an integer, got 1.7")])
+def test_hand_edited_numbers_are_refused_not_truncated(edit, what):
+    """A hand-edited 1.5 must not load as 1: it names the field instead."""
+    d = ring_allreduce(3).to_dict()
+    edit(d)
+    with pytest.raises(ScheduleError, match=what):
+        Schedule.from_json(json.dumps(d))
 
 
 @settings(max_examples=60, deadline=None)
