@@ -19,7 +19,6 @@ fingerprint and the planner's revision, so a training step never plans twice, a 
 with its plans, and plans chosen by an older cost model are not reused.
 """
 import hashlib
-import json
 import math
 import multiprocessing
 import os
@@ -210,12 +209,19 @@ class Planner:
     def _load(self, key):
         if self.cache_dir is None:
             return None
+        collective, root, _algorithm, _cls = key
         try:
             sched = Schedule.load(self._path(key))
-            _verified(sched)
-            return sched
-        except (OSError, ScheduleError, json.JSONDecodeError):
+        except (OSError, ScheduleError):
             return None
+        if (sched.collective, sched.nranks) != (collective, self.topo.nranks) or (
+                collective == "broadcast" and sched.root != root):
+            return None        # a file that holds another call's plan is a miss: plan afresh, overwrite it
+        try:
+            _verified(sched)
+        except ScheduleError:
+            return None
+        return sched
 
     def _store(self, key, sched):
         if self.cache_dir is None:

@@ -71,3 +71,16 @@ def test_a_plan_made_ahead_is_what_the_job_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DDL_PLAN_CACHE", "0")
     assert main(["plan", path, "--bytes", "1MiB", "--workers", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cache_file"] is None
+
+
+def test_a_cache_file_holding_another_calls_plan_is_a_miss(tmp_path):
+    """A file (copied, hand-edited) whose schedule is for another collective or root is planned afresh
+    and overwritten, instead of reaching the executor (which refuses it on every call)."""
+    topo = flat_topology(4)
+    planner = Planner(topo, cache_dir=tmp_path)
+    planner.schedule("allgather", 8000).save(planner.cache_file("allreduce", 8000))
+    got = Planner(topo, cache_dir=tmp_path).schedule("allreduce", 8000)
+    assert got.collective == "allreduce"
+    assert Planner(topo, cache_dir=tmp_path)._load(("allreduce", 0, "auto", 8192)) == got    # rewritten
+    planner.schedule("broadcast", 8000, root=2).save(planner.cache_file("broadcast", 8000, root=1))
+    assert Planner(topo, cache_dir=tmp_path).schedule("broadcast", 8000, root=1).root == 1
