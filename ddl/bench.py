@@ -114,6 +114,17 @@ def parse_sizes(spec, max_bytes=None, factor=None):
     return out
 
 
+def element_counts(sizes, itemsize):
+    """Element counts of ``sizes`` (bytes), each rounded down to whole elements, as nccl-tests does;
+    sizes below one element and repeats are left out (``1,3`` of float32 would be one 4 B row twice)."""
+    out = []
+    for n in sizes:
+        count = n // itemsize
+        if count and count not in out:
+            out.append(count)
+    return out
+
+
 def _size(text, what):
     try:
         n = parse_size(text.strip())
@@ -596,6 +607,12 @@ def measure(opts, world=None, out=None, err=None, memory=None):
             impls.append(GlooImpl(world))
 
     dtype = np.dtype(opts.dtype)
+    counts = element_counts(opts.sizes, dtype.itemsize)
+    if len(counts) < len(opts.sizes):
+        note(f"sizes are whole {dtype.name} elements ({dtype.itemsize} B): {len(opts.sizes) - len(counts)} of "
+             f"the sizes asked for rounded down onto another or to nothing")
+    if not counts:
+        raise Error(f"--bytes: every size is below one {dtype.name} element ({dtype.itemsize} B)")
     header = _header(opts, topo, model, nranks, impls, memory)
     widths = widths_for([impl.name for impl in impls])
     if lead and not opts.json:
@@ -605,7 +622,6 @@ def measure(opts, world=None, out=None, err=None, memory=None):
             print(f"# {text}", file=out)
         print(_table_header(widths), file=out, flush=True)
 
-    counts = [max(1, n // dtype.itemsize) for n in opts.sizes]
     if memory.name == "cpu":
         _check_memory(world, max(counts) * dtype.itemsize)
     total = sum(c * dtype.itemsize for c in counts) * len(impls) * (opts.iters + opts.warmup)

@@ -266,6 +266,12 @@ def test_size_ranges():
         parse_sizes("8,0")
 
 
+def test_sizes_are_whole_elements_rounded_down_once():
+    from ddl.bench import element_counts
+    assert element_counts([8, 7, 1000, 1 << 20], 8) == [1, 125, 1 << 17]     # 7 B is no float64
+    assert element_counts([1, 3, 4, 7, 8], 4) == [1, 2]                      # 4 and 7 B: one row
+
+
 def test_pattern_sums_are_exact():
     import numpy as np
     for dtype in ("float32", "int32"):
