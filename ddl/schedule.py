@@ -97,6 +97,9 @@ class Schedule:
                                 f"{MAX_PATTERN_TOTAL} (2^48), so that chunk boundaries stay exact integers")
         if not 0 <= self.root < self.nranks:
             raise ScheduleError(f"root {self.root} is not a rank of {self.nranks}")
+        for src, dst in self.routes:
+            if not (0 <= src < self.nranks and 0 <= dst < self.nranks) or src == dst:
+                raise ScheduleError(f"routes: ({src}, {dst}) is not a pair of two ranks of {self.nranks}")
         per_block = len(self.pattern)
         for i, span in enumerate(self.spans):
             first, count = span if len(span) == 2 else (None, None)

@@ -392,7 +392,9 @@ def test_bad_json_is_a_schedule_error():
     (lambda d: d["pattern"].__setitem__(0, True), "pattern weight must be an integer, got True"),
     (lambda d: d.__setitem__("nranks", 3.9), "nranks must be an integer, got 3.9"),
     (lambda d: d.__setitem__("nranks", float("inf")), "nranks must be an integer"),
-    (lambda d: d.__setitem__("root", 1.7), "root must be an integer, got 1.7")])
+    (lambda d: d.__setitem__("root", 1.7), "root must be an integer, got 1.7"),
+    (lambda d: d.__setitem__("routes", [{"src": 99, "dst": 0, "paths": [{"via": ["a", "b"], "share": 1.0}]}]),
+     r"routes: \(99, 0\) is not a pair of two ranks of 3")])
 def test_hand_edited_numbers_are_refused_not_truncated(edit, what):
     """A hand-edited 1.5 must not load as 1: it names the field instead."""
     d = ring_allreduce(3).to_dict()
