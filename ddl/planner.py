@@ -212,7 +212,7 @@ class Planner:
         collective, root, _algorithm, _cls = key
         try:
             sched = Schedule.load(self._path(key))
-        except (OSError, ScheduleError):
+        except (OSError, ScheduleError, ValueError):       # ValueError: not text (UnicodeDecodeError)
             return None
         if (sched.collective, sched.nranks) != (collective, self.topo.nranks) or (
                 collective == "broadcast" and sched.root != root):

@@ -31,6 +31,8 @@ def test_another_planner_or_a_damaged_file_plans_afresh(tmp_path, monkeypatch):
     path.write_text("{not json")
     again = Planner(topo, cache_dir=tmp_path).schedule("allreduce", 1 << 20)
     assert again.nranks == 4
+    path.write_bytes(b"\xff\xfe\x00 not text")
+    assert Planner(topo, cache_dir=tmp_path).schedule("allreduce", 1 << 20) == again
     assert len(list(tmp_path.rglob("*.json"))) == 1
     assert json.loads(path.read_text())["nranks"] == 4                 # rewritten in place
 
