@@ -212,7 +212,9 @@ def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
     (["--workers", "0"], "--workers 0: at least 1"),
     (["--bytes", "12XB"], "--bytes"),
     (["--root", "9"], "--root 9 is not a rank"),
-    (["--algorithm", "fastest"], "unknown algorithm 'fastest'")])
+    (["--algorithm", "fastest"], "unknown algorithm 'fastest'"),
+    (["--bytes", "4MiB,64MiB", "--compare"], "--compare takes one size"),
+    (["--bytes", "4MiB,64MiB", "--save", "s.json"], "--save takes one size")])
 def test_plan_user_errors_are_one_line(capsys, tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--workers", "1", *args]) == 2

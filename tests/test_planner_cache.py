@@ -69,6 +69,12 @@ def test_a_plan_made_ahead_is_what_the_job_runs(tmp_path, monkeypatch, capsys):
         sched = job.schedule("allreduce", nbytes)
         assert sched.algorithm == record["algorithm"] and sched.nops == record["operations"]
     assert job.cache_file("allreduce", 40 << 20) == saved
+    # a job's several bucket sizes, planned ahead in one command
+    assert main(["plan", path, "--bytes", "4MiB,48MiB", "--workers", "1", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["bytes"] for r in records] == [4 << 20, 48 << 20]
+    assert Path(records[0]["cache_file"]).name == "allreduce-root0-auto-4194304.json"
+    assert records[1]["cache_file"] == str(saved) and all(Path(r["cache_file"]).exists() for r in records)
     # without a disk cache nothing is stored, and the record says so
     monkeypatch.setenv("DDL_PLAN_CACHE", "0")
     assert main(["plan", path, "--bytes", "1MiB", "--workers", "1", "--json"]) == 0

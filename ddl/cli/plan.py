@@ -24,7 +24,9 @@ def register(sub):
                                    "same topology load it instead of planning.")
     p.add_argument("files", nargs="+", metavar="FILE", help="topology file (YAML or JSON); several with --compare")
     p.add_argument("--bytes", default="256MiB", metavar="SIZE",
-                   help="message size, e.g. 256MiB, 64MB, 1048576 (default 256MiB)")
+                   help="message size, e.g. 256MiB, 64MB, 1048576 (default 256MiB); several, comma-separated "
+                        "(4MiB,64MiB), plan each in turn (not with --compare or --save): a job's bucket sizes "
+                        "planned ahead at once")
     p.add_argument("--collective", default="allreduce", choices=COLLECTIVES)
     p.add_argument("--algorithm", default="auto", metavar="NAME", help="auto (default) or an algorithm name")
     p.add_argument("--root", type=int, default=0, help="root rank for broadcast")
@@ -46,32 +48,35 @@ def run(args):
     from ..topology import Topology
 
     try:
-        nbytes = parse_size(args.bytes)
+        sizes = [parse_size(text) for text in args.bytes.split(",")]
     except ValueError as exc:
         raise PlanError(f"--bytes: {exc}") from None
     if args.workers < 1:
         raise PlanError(f"--workers {args.workers}: at least 1 (the processes that simulate the candidates)")
     if len(args.files) > 1 and not args.compare:
         raise PlanError("several files need --compare")
+    if len(sizes) > 1 and (args.compare or args.save):
+        raise PlanError(f"--bytes {args.bytes}: {'--compare' if args.compare else '--save'} takes one size")
     plans = []
     for path in args.files:
         topo = Topology.load(path)
         if not 0 <= args.root < topo.nranks:
             raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
         planner = Planner(topo, workers=args.workers)
-        plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
-        cached = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
-        plans.append((topo, plan, cached if cached is not None and cached.exists() else None))
+        for nbytes in sizes:
+            plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
+            cached = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
+            plans.append((topo, plan, cached if cached is not None and cached.exists() else None))
     if args.save:
         plans[0][1].schedule.save(args.save)
     records = [_record(topo, plan, cached, _timeline(topo, plan) if args.timeline else None)
                for topo, plan, cached in plans]
     if args.json:
-        print(json.dumps(records if args.compare else records[0], indent=2))
+        print(json.dumps(records if args.compare or len(records) > 1 else records[0], indent=2))
     elif args.compare:
         print(_compare_table(records))
     else:
-        print(_explain(plans[0][0], plans[0][1], records[0]))
+        print("\n\n".join(_explain(topo, plan, r) for (topo, plan, _), r in zip(plans, records)))
         if args.save:
             print(f"schedule written to {args.save}")
     return 0
