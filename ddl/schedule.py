@@ -92,9 +92,10 @@ class Schedule:
         if not self.pattern or any(not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w <= 0
                                    for w in self.pattern):
             raise ScheduleError(f"chunk pattern must be positive integers, got {self.pattern!r}")
-        if sum(int(w) for w in self.pattern) > MAX_PATTERN_TOTAL:
-            raise ScheduleError(f"chunk pattern weights sum to {sum(int(w) for w in self.pattern)}; at most "
-                                f"{MAX_PATTERN_TOTAL} (2^48), so that chunk boundaries stay exact integers")
+        total = sum(int(w) for w in self.pattern)
+        if total > MAX_PATTERN_TOTAL:
+            raise ScheduleError(f"chunk pattern weights sum to {total}; at most {MAX_PATTERN_TOTAL} (2^48), so "
+                                f"that chunk boundaries stay exact integers")
         if not 0 <= self.root < self.nranks:
             raise ScheduleError(f"root {self.root} is not a rank of {self.nranks}")
         for src, dst in self.routes:

@@ -468,7 +468,12 @@ def _ops_per_wave(p, stages, collective, span_pieces):
         for group in groups:
             kids = sum(1 for g in below if g[0] in group)
             held = -(-p // len(group))
-            messages = (min(span_pieces, held) if not m else held if s else min(m * -(-span_pieces // m), held))
+            if not m:          # one part per wave: the member's run in up to span_pieces spans
+                messages = min(span_pieces, held)
+            elif s:            # a later stage of a part: a message per target held
+                messages = held
+            else:              # the first stage: each of the m diagonals in 1/m of the spans
+                messages = min(m * -(-span_pieces // m), held)
             total += len(group) * (kids - 1) * messages
         below = groups
     return 4 * total
