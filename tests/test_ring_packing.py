@@ -129,3 +129,22 @@ def test_auto_picks_it_on_the_dgx1_at_large_sizes_only():
     planner = Planner(zoo("dgx1-v100"), use_disk_cache=False)
     assert planner.plan("allreduce", N).schedule.algorithm == "ring-packing"
     assert planner.plan("allreduce", 8).schedule.algorithm != "ring-packing"
+
+
+def test_links_a_million_fold_apart_plan_instead_of_crashing():
+    # 900 GB/s inside two hosts, 1 Mbit/s between them: measured in the widest link's units the LP's
+    # optimum (~1.4e-7) is under HiGHS's feasibility tolerance, and the ring selection kept no ring.
+    from ddl.planner import Planner
+    nodes = ([{"id": "sw", "kind": "switch"}] + [{"id": f"h{i}", "kind": "host"} for i in range(2)]
+             + [{"id": f"h{i}/gpu{j}", "kind": "gpu"} for i in range(2) for j in range(2)])
+    links = ([{"a": f"h{i}/gpu0", "b": f"h{i}/gpu1", "bandwidth": "900 GB/s"} for i in range(2)]
+             + [{"a": f"h{i}/gpu{j}", "b": f"h{i}", "bandwidth": "900 GB/s"} for i in range(2) for j in range(2)]
+             + [{"a": f"h{i}", "b": "sw", "bandwidth": "1 Mbit/s", "latency": "10 ms"} for i in range(2)])
+    topo = Topology("mixed", nodes, links, [f"h{i}/gpu{j}" for i in range(2) for j in range(2)])
+    try:
+        verify(ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=1 << 20))
+    except PlanError as err:
+        assert "ring-packing" in str(err)
+    for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+        plan = Planner(topo, use_disk_cache=False).plan(collective, 1 << 20)
+        assert plan.verified and plan.gap < 1.05
