@@ -42,6 +42,7 @@ split evenly.
 """
 import gc
 import json
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -155,6 +156,7 @@ class Schedule:
         buffer) and must then be divisible by the number of ranks. Chunks may be empty when ``count``
         is small; every rank computes identical ranges.
         """
+        count = operator.index(count)      # a Python int: numpy's fixed-width integers would wrap below
         if count < 0 or count % self.nblocks:
             raise ScheduleError(f"{self.collective} on {self.nranks} ranks needs a count divisible by "
                                 f"{self.nblocks}, got {count}")

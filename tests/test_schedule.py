@@ -87,6 +87,12 @@ def test_chunk_ranges_stay_exact_for_huge_buffers_and_weights():
     assert big.tolist() == [[0, (1 << 61) * 3 // 8], [(1 << 61) * 3 // 8, 1 << 61]]
     with pytest.raises(ScheduleError, match="sum to .* at most 281474976710656"):
         Schedule("allreduce", 2, (1 << 62, 1 << 62), ((), ()))
+    # a numpy integer count is the same count (its fixed width must not wrap the check)
+    heavy = Schedule("allreduce", 2, (1 << 47, 1 << 47), ((), ()))
+    for count in (np.int64(1 << 20), np.int32(1 << 20), np.uint64(1 << 20)):
+        assert heavy.chunk_ranges(count).tolist() == [[0, 1 << 19], [1 << 19, 1 << 20]]
+    with pytest.raises(TypeError):
+        heavy.chunk_ranges(1.0 * (1 << 20))
 
 
 def test_reduce_scatter_count_must_divide():
