@@ -25,6 +25,13 @@ The simulator replays the schedule's dataflow (the same rules executors and the 
   pair whose next message leaves the instant its previous one drained keeps its rate (a pipeline's
   back-to-back chunks cost no rate computation at all), and flows on a path that shares no link with
   any other active path split its narrowest link without one (a ring's hops, mostly).
+* **Message cost.** A rank spends ``topo.message_cost`` seconds (the file's ``defaults.message_cost``,
+  0 unless given) to post each message it sends, one message at a time: a send that becomes ready is
+  posted that long after the rank's previous post (or after it became ready, if the rank was idle),
+  and only then may it leave. Sends that become ready at one instant are posted in program order.
+  Posting overlaps with the data of earlier messages on the wire, so a pair's pipeline of ``k``
+  messages takes about ``max(k * cost, cost + bytes / bandwidth)``: LogP's overhead, which makes many
+  small messages slower than few large ones where the bandwidth and latency terms cannot.
 * **Latency.** A transfer's data *arrives* one path latency after its last byte leaves:
   ``arrival = drain end + latency``, the latency of a path being the sum of its links' latencies and,
   with several paths, the largest among those with a non-zero share. Bandwidth and latency thus
@@ -553,7 +560,7 @@ class _Run:
 
         # Operation state. Work items and events name an op g and what happens to it, packed in an int.
         DONE, LAND, READY = 0, 1, 2            # work items: 4 * g + action
-        ENGINE = 1                             # timed events: (time, 2 * g + ENGINE) or (time, -batch)
+        POSTED, ENGINE = 0, 1                  # timed events: (time, 2 * g + POSTED or ENGINE) or (time, -batch)
         now = 0.0
         makespan = 0.0
         completed = 0
@@ -571,6 +578,9 @@ class _Run:
         pair_busy = [False] * len(pair_route)
         pair_wait = [[] for _ in range(len(pair_route))]
         pair_dirty = set()             # pairs that may start a send now
+        cost = float(topo.message_cost)
+        posting = []                   # with a message cost: sends that became ready now, to post
+        posted_at = [0.0] * nranks     # when each rank has posted its last message
 
         # Bundles: all active flows on one path get the same rate (max-min fairness is symmetric), so
         # they are served in virtual time: b_v[b] bytes per flow had been served at time b_t[b], at
@@ -638,7 +648,9 @@ class _Run:
                                     push_work(4 * d + landing_action[d])
                     continue
                 if action == READY:    # a send
-                    if size[g] > 0:
+                    if size[g] > 0 and cost:
+                        posting.append(g)
+                    elif size[g] > 0:
                         pair = send_pair[g]
                         heappush(pair_wait[pair], g)
                         pair_dirty.add(pair)
@@ -654,6 +666,16 @@ class _Run:
                 heappush(engine_queue[r], (now, g))
                 if not engine_busy[r]:
                     engine_idle.add(r)
+
+            # ---- with a message cost, ranks post the sends that became ready, one at a time ----
+            if posting:
+                posting.sort()
+                for g in posting:
+                    r = rank[g]
+                    t = (now if posted_at[r] < now else posted_at[r]) + cost
+                    posted_at[r] = t
+                    heappush(heap, (t, 2 * g + POSTED))
+                posting.clear()
 
             # ---- free engines start the reduction that has waited longest (ties: program order) ----
             for r in engine_idle:
@@ -841,7 +863,13 @@ class _Run:
                         if deps_ready[h]:
                             push_work(4 * h + landing_action[h])
                     continue
-                g = x >> 1             # reduction g finished: its rank's engine takes the next one
+                g = x >> 1
+                if x & 1 == POSTED:    # send g is posted: it leaves once its pair is free
+                    pair = send_pair[g]
+                    heappush(pair_wait[pair], g)
+                    pair_dirty.add(pair)
+                    continue
+                # reduction g finished: its rank's engine takes the next one
                 push_work(4 * g + DONE)
                 r = rank[g]
                 engine_busy[r] = False

@@ -146,6 +146,13 @@ class Topology:
             value = DEFAULT_REDUCE_BANDWIDTH.get(self._kinds[vertex], OTHER_REDUCE_BANDWIDTH)
         return value
 
+    @property
+    def message_cost(self):
+        """Seconds a rank spends to start each message it sends (``defaults.message_cost``; 0 when the
+        file gives none): the software cost of a send that no link accounts for. A rank starts its
+        messages one at a time, so a schedule of many small messages pays it where bytes are few."""
+        return self._spec.defaults.get("message_cost", 0.0)
+
     # ----------------------------------------------------------------------------------------- routes
 
     def routes(self, i, j):

@@ -32,7 +32,7 @@ KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 DEFAULT_LATENCY = 1e-6  # seconds, when neither the link nor the file's defaults give one
 
 TOP_KEYS = ("name", "description", "defaults", "nodes", "links", "ranks", "tiers")
-DEFAULT_KEYS = ("latency", "reduce_bandwidth")
+DEFAULT_KEYS = ("latency", "reduce_bandwidth", "message_cost")
 NODE_KEYS = ("id", "kind", "host", "reduce_bandwidth")
 LINK_KEYS = ("a", "b", "bandwidth", "latency", "count", "directed")
 RANK_KEYS = ("id",)
@@ -248,6 +248,8 @@ def _defaults(entry, where):
         out["latency"] = _latency(entry["latency"], where, "defaults")
     if entry.get("reduce_bandwidth") is not None:
         out["reduce_bandwidth"] = _bandwidth(entry["reduce_bandwidth"], where, "defaults", "reduce_bandwidth")
+    if entry.get("message_cost") is not None:
+        out["message_cost"] = _duration(entry["message_cost"], where, "defaults", "message_cost")
     return out
 
 
@@ -460,8 +462,13 @@ def explicit(spec):
     out = {"name": spec.name}
     if spec.description is not None:
         out["description"] = spec.description
+    defaults = {}
     if "reduce_bandwidth" in spec.defaults:
-        out["defaults"] = {"reduce_bandwidth": bandwidth_text(spec.defaults["reduce_bandwidth"])}
+        defaults["reduce_bandwidth"] = bandwidth_text(spec.defaults["reduce_bandwidth"])
+    if spec.defaults.get("message_cost"):
+        defaults["message_cost"] = latency_text(spec.defaults["message_cost"])
+    if defaults:
+        out["defaults"] = defaults
     out["nodes"] = [_node_dict(*node) for node in spec.nodes]
     out["links"] = [_link_dict(link) for link in spec.links]
     out["ranks"] = list(spec.ranks)
@@ -568,13 +575,17 @@ def _bandwidth(value, where, label, key):
 
 
 def _latency(value, where, label):
+    return _duration(value, where, label, "latency")
+
+
+def _duration(value, where, label, key):
     try:
         result = _signed(parse_latency, value)
     except ValueError:
-        _fail(where, label, f"cannot read latency {value!r}: write a number and a unit, one of "
+        _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
                             f"{LATENCY_UNITS}, e.g. '2 us'")
     if not math.isfinite(result) or result < 0:
-        _fail(where, label, f"latency must be zero or positive and finite, got {value!r}, e.g. '2 us'")
+        _fail(where, label, f"{key} must be zero or positive and finite, got {value!r}, e.g. '2 us'")
     return result
 
 

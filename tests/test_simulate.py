@@ -20,13 +20,14 @@ HUGE = 1e18                    # a reduce bandwidth that makes reductions free
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def star(p, bandwidth=10 * GB, latency=1 * US, reduce_bandwidth=HUGE, uplinks=None):
+def star(p, bandwidth=10 * GB, latency=1 * US, reduce_bandwidth=HUGE, uplinks=None, message_cost=None):
     """p GPU ranks, each with its own full-duplex link to one switch."""
     nodes = [("sw", "switch")] + [{"id": f"g{i}", "kind": "gpu", "reduce_bandwidth": reduce_bandwidth}
                                   for i in range(p)]
     bws = uplinks or [bandwidth] * p
     links = [{"a": f"g{i}", "b": "sw", "bandwidth": bws[i], "latency": latency} for i in range(p)]
-    return Topology("star", nodes, links, [f"g{i}" for i in range(p)])
+    defaults = None if message_cost is None else {"message_cost": message_cost}
+    return Topology("star", nodes, links, [f"g{i}" for i in range(p)], defaults)
 
 
 def ring_allreduce(p):
@@ -118,7 +119,11 @@ def reference(topo, sched, nbytes):
     Ops are rescanned until nothing changes; every flow is a separate row of the rate computation;
     no bundles, no incremental repair. Only for small cases. Messages of one rank pair go one at a
     time: once nothing else can happen, every idle pair starts its ready send earliest in the program.
+    With a message cost, a rank posts its ready sends in program order, one cost apart, and a send
+    may start once posted.
     """
+    cost = topo.message_cost
+    posted, last_post = {}, [0.0] * sched.nranks
     progs, deps, matches = sched.programs, sched.dependencies, sched.matches
     ops = [(r, i) for r in range(sched.nranks) for i in range(len(progs[r]))]
     size = {op: sched.chunk_fraction(progs[op[0]][op[1]].chunk) * nbytes for op in ops}
@@ -172,9 +177,16 @@ def reference(topo, sched, nbytes):
                     progress = True
         for op in ops:
             r, i = op
+            if (cost and progs[r][i].kind == "send" and op not in started and op not in posted
+                    and all((r, j) in done for j in deps[r][i])):
+                posted[op] = last_post[r] = max(now, last_post[r]) + cost
+                heapq.heappush(events, (posted[op], "post", op))
+        for op in ops:
+            r, i = op
             peer = tuple(matches[r][i])
             if (progs[r][i].kind == "send" and op not in started and (r, peer[0]) not in busy
-                    and all((r, j) in done for j in deps[r][i])):
+                    and all((r, j) in done for j in deps[r][i])
+                    and (not cost or posted[op] <= now * (1 + 1e-12))):
                 started.add(op)
                 busy.add((r, peer[0]))
                 ps, lat = paths(r, peer[0])
@@ -206,6 +218,8 @@ def reference(topo, sched, nbytes):
         flows = keep
         while events and events[0][0] <= now * (1 + 1e-12):
             _, what, op = heapq.heappop(events)
+            if what == "post":
+                continue
             done[op] = now
             if what == "arrive":
                 arrival[tuple(matches[op[0]][op[1]])] = now
@@ -278,6 +292,33 @@ def test_rank_one_and_empty_schedules_take_no_time():
 def test_zero_bytes_cost_nothing():
     sim = simulate(star(4), ring_allreduce(4), 0)
     assert sim.seconds == 0.0 and sim.link_bytes == {} and sim.transfers == 24
+
+
+# ---------------------------------------------------------------------------------- message cost
+def test_a_message_cost_adds_once_per_step_of_a_ring():
+    p, B, lat, N, C = 4, 10 * GB, 1 * US, 48e6, 20 * US
+    sim = simulate(star(p, B, lat, message_cost=C), ring_allreduce(p), N)
+    assert close(sim.seconds, 2 * (p - 1) * (C + N / p / B + 2 * lat), 1e-7)
+    assert simulate(star(p, B, lat, message_cost=C), ring_allreduce(p), 0).seconds == 0.0   # nothing sent
+
+
+def test_a_rank_posts_its_messages_one_at_a_time():
+    B, lat, C = 10 * GB, 1 * US, 50 * US
+    # four small messages from g0 to g1 (each 1 us on the wire): posting binds, 4 C
+    small, N = 4, 4e4
+    sched = one_transfer_each(2, [(0, 1, c) for c in range(small)], (1,) * small)
+    assert close(simulate(star(2, B, lat, message_cost=C), sched, N).seconds, small * C + N / small / B + 2 * lat)
+    # large ones (1 ms each): posting overlaps the wire, the cost is paid once
+    N = 4e7
+    assert close(simulate(star(2, B, lat, message_cost=C), sched, N).seconds, C + N / B + 2 * lat)
+    # one rank to two peers pays twice; two ranks to one peer pay once each, side by side
+    N = 2e4
+    fan_out = one_transfer_each(3, [(0, 1, 0), (0, 2, 1)], (1, 1))
+    assert close(simulate(star(3, B, lat, message_cost=C), fan_out, N).seconds, 2 * C + N / 2 / B + 2 * lat)
+    fan_in = one_transfer_each(3, [(0, 2, 0), (1, 2, 1)], (1, 1))
+    assert close(simulate(star(3, B, lat, message_cost=C), fan_in, N).seconds, C + N / B + 2 * lat)
+    # no cost given: none charged
+    assert close(simulate(star(3, B, lat), fan_out, N).seconds, N / B + 2 * lat)
 
 
 # -------------------------------------------------------------------------------------- fairness
@@ -519,7 +560,8 @@ def _random_topology(draw):
         links.append({"a": "s0", "b": "s1", "bandwidth": draw(bw), "latency": draw(lat)})
     if p > 2 and draw(st.booleans()):
         links.append({"a": "g0", "b": "g1", "bandwidth": draw(bw), "latency": draw(lat)})
-    return Topology("random", nodes, links, [f"g{i}" for i in range(p)])
+    cost = draw(st.sampled_from([0.0, 0.0, 2 * US, 30 * US]))
+    return Topology("random", nodes, links, [f"g{i}" for i in range(p)], {"message_cost": cost})
 
 
 @st.composite

@@ -241,7 +241,7 @@ def test_json_equals_yaml(tmp_path):
 @pytest.mark.parametrize("name", ["out.yaml", "out.json"])
 def test_dump_load_round_trip(tmp_path, name):
     data = mini()
-    data["defaults"] = {"reduce_bandwidth": "20 GB/s", "latency": "2 us"}
+    data["defaults"] = {"reduce_bandwidth": "20 GB/s", "latency": "2 us", "message_cost": "3 us"}
     data["nodes"][2]["reduce_bandwidth"] = "1 TB/s"
     data["nodes"][3]["host"] = "h0"
     data["links"].append({"a": "sw", "b": "h0", "bandwidth": 1e9 / 3, "latency": 1.2345e-7, "directed": True})
@@ -256,10 +256,25 @@ def test_dump_load_round_trip(tmp_path, name):
     last = topo.to_dict()["links"][-1]  # values are kept to 12 significant digits
     assert (last["bandwidth"], last["latency"], last["directed"]) == ("333.333333333 MB/s", "123.45 ns", True)
     assert back.reduce_bandwidth(0) == 1e12 and back.reduce_bandwidth(1) == 20e9
+    assert back.message_cost == pytest.approx(3e-6) and topo.to_dict()["defaults"]["message_cost"] == "3 us"
     if name.endswith(".json"):
         assert json.loads(path.read_text())["name"] == "mini"
     else:
         assert "25 GB/s" in path.read_text()
+
+
+def test_message_cost_is_a_duration_that_changes_the_fingerprint():
+    plain = Topology.from_dict(mini())
+    assert plain.message_cost == 0.0 and "defaults" not in plain.to_dict()
+    costly = Topology.from_dict({**mini(), "defaults": {"message_cost": "5 us"}})
+    assert costly.message_cost == pytest.approx(5e-6) and costly.fingerprint != plain.fingerprint
+    # zero is the same fabric as none given
+    assert Topology.from_dict({**mini(), "defaults": {"message_cost": 0}}) == plain
+    for bad, says in (("-1 us", "must be zero or positive"), ("5 GB/s", "cannot read message_cost"),
+                      (float("inf"), "must be zero or positive")):
+        with pytest.raises(TopologyError, match=says) as err:
+            Topology.from_dict({**mini(), "defaults": {"message_cost": bad}})
+        assert "defaults" in str(err.value) and "e.g. '2 us'" in str(err.value)
 
 
 def test_to_dict_uses_readable_units():
