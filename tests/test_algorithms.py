@@ -411,6 +411,12 @@ def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, k, l
             nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
 
 
+def test_more_messages_must_earn_a_margin_only_where_they_cost_nothing():
+    assert variant_gain(900, 600) == MIN_VARIANT_GAIN          # more messages, none charged: 1%
+    assert variant_gain(600, 900) == variant_gain(600, 600) < 1e-6
+    assert variant_gain(900, 600, message_cost=2e-6) < 1e-6     # charged by the simulator: any gain
+
+
 @pytest.mark.parametrize("name,stages,waves", [("dgx-a100-2x8", [2, 1], 8), ("leaf-spine-2rack", [8, 1], 8),
                                                ("fat-tree-4x4-r16", [4, 1], 8)])
 def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages, waves):

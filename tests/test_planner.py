@@ -220,3 +220,28 @@ def test_plan_user_errors_are_one_line(capsys, tmp_path, monkeypatch, args, mess
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--workers", "1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddl: error: ") and message in err and err.count("\n") == 1, err
+
+
+def _star(p, message_cost=None):
+    nodes = [("sw", "switch")] + [(f"g{i}", "gpu") for i in range(p)]
+    links = [{"a": f"g{i}", "b": "sw", "bandwidth": "10 GB/s", "latency": "2 us"} for i in range(p)]
+    defaults = None if message_cost is None else {"message_cost": message_cost}
+    return Topology("star", nodes, links, [f"g{i}" for i in range(p)], defaults)
+
+
+def test_a_message_cost_makes_auto_prefer_fewer_messages(tmp_path, capsys, monkeypatch):
+    from ddl.simulate import simulate
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
+    free = Planner(_star(8), use_disk_cache=False).plan("allreduce", 64 << 10)
+    costly_topo = _star(8, "5 us")
+    costly = Planner(costly_topo, use_disk_cache=False).plan("allreduce", 64 << 10)
+    assert costly.verified and costly.schedule.nops < free.schedule.nops
+    # what was best with free messages is slower once each costs 5 us, and the choice beats it
+    slower = simulate(costly_topo, free.schedule, 64 << 10).seconds
+    assert slower > costly.predicted_seconds > free.predicted_seconds
+    path = tmp_path / "star.yaml"
+    costly_topo.dump(path)
+    assert main(["plan", str(path), "--bytes", "64KiB"]) == 0
+    assert "(5 us per message)" in capsys.readouterr().out
+    assert main(["plan", str(path), "--bytes", "64KiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["message_cost_seconds"] == pytest.approx(5e-6)

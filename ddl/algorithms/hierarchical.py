@@ -107,11 +107,11 @@ where its groups have more than two ranks. Larger schedules take every tier, unt
 waves under the cap of 8 that the floor and the budget allow for those stages (the variants share
 one count, which fits the largest of them; at 256 ranks in three tiers that was two waves, 1.071 of
 the bound, where the stages kept allow three, 1.037). More waves are more messages, which the
-simulator charges nothing for, and on the emulated one-switch cluster (64 MiB, links at a fifth)
-sixteen waves predicted 0.25% faster than eight ran 7% slower (544-558 ms against 507-515 ms, two
-paired runs). So a variant with more operations replaces the one kept so far only where it is
+simulator charges nothing for unless the file gives a ``message_cost``, and on the emulated
+one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster than eight ran 7%
+slower (544-558 ms against 507-515 ms, two paired runs). So a variant with more operations replaces the one kept so far only where it is
 predicted ``MIN_VARIANT_GAIN`` (1%) faster; one with no more (fewer tiers, or the exchange: as many
-messages as the rings) wherever it is faster.
+messages as the rings) wherever it is faster, as is any variant where the messages are charged.
 """
 import math
 from itertools import combinations
@@ -427,7 +427,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
                       "operations": sched.nops, "seconds": seconds})
-        if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops)):
+        if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops, topo.message_cost)):
             kept = (seconds, tiers, sched)
 
     for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
@@ -446,11 +446,11 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     return kept[2]
 
 
-def variant_gain(ops, kept_ops):
+def variant_gain(ops, kept_ops, message_cost=0.0):
     """How much faster (relative) a variant of ``ops`` operations must be predicted than the one kept
-    so far, of ``kept_ops``: :data:`MIN_VARIANT_GAIN` if it sends more messages (which the simulator
-    charges nothing for), else any gain beyond rounding."""
-    return MIN_VARIANT_GAIN if ops > kept_ops else 1e-9
+    so far, of ``kept_ops``: :data:`MIN_VARIANT_GAIN` if it sends more messages and the topology gives
+    no ``message_cost`` (the simulator then charges nothing for them), else any gain beyond rounding."""
+    return MIN_VARIANT_GAIN if ops > kept_ops and not message_cost else 1e-9
 
 
 def _ops_per_wave(p, stages, collective, span_pieces):

@@ -128,6 +128,7 @@ def _record(topo, plan, cached=None, timeline=None):
         "bound_seconds": plan.bound_seconds,
         "bandwidth_bound_seconds": plan.bandwidth_bound_seconds,
         "latency_bound_seconds": plan.latency_bound_seconds,
+        "message_cost_seconds": topo.message_cost,
         "gap": plan.gap,
         "algbw": plan.nbytes / plan.predicted_seconds if plan.predicted_seconds else None,
         "busbw": busbw(plan.collective, plan.nbytes, plan.predicted_seconds, p) if plan.predicted_seconds else None,
@@ -156,16 +157,18 @@ def _explain(topo, plan, r):
         f"why         {plan.reason}",
     ]
     if plan.predicted_seconds:
+        cost = f"   ({format_seconds(topo.message_cost)} per message)" if topo.message_cost else ""
         lines.append(f"predicted   {format_seconds(plan.predicted_seconds)}   algbw {format_bandwidth(r['algbw'])}"
-                     f"   busbw {format_bandwidth(r['busbw'])}")
+                     f"   busbw {format_bandwidth(r['busbw'])}{cost}")
     else:
         lines.append("predicted   0 s (nothing to move)")
     lines.append(f"bound       {format_seconds(plan.bound_seconds)} (bandwidth {format_seconds(plan.bandwidth_bound_seconds)},"
                  f" latency {format_seconds(plan.latency_bound_seconds)})   gap {plan.gap:.3f}x")
     if plan.gap < 1 - 1e-9:
-        lines.append("note        below the latency bound: this schedule has ranks receive several messages"
-                     " at once, which the bound's round model rules out and the simulator charges nothing"
-                     " for")
+        lines.append("note        below the latency bound: this schedule has ranks send or receive several"
+                     " messages at once, which the bound's round model rules out"
+                     + ("" if topo.message_cost else " and the simulator charges nothing for (no message_cost"
+                                                      " in the file's defaults)"))
     spans = f", {r['spans']} spans" if r["spans"] else ""
     lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks{spans}, {r['operations']} operations)")
     if r["cache_file"]:
