@@ -111,7 +111,7 @@ class Planner:
     def schedule(self, collective, nbytes, algorithm=AUTO, root=0):
         """The schedule to run for this call; cached, verified once."""
         _check_collective(collective)
-        key = (collective, root, algorithm, size_class(nbytes))
+        key = _key(collective, nbytes, algorithm, root)
         sched = self._schedules.get(key)
         if sched is None:
             sched = self._load(key)
@@ -129,14 +129,21 @@ class Planner:
         """Where the disk cache keeps the schedule of this call (None without a disk cache)."""
         if self.cache_dir is None:
             return None
-        return self._path((collective, root, algorithm, size_class(nbytes)))
+        return self._path(_key(collective, nbytes, algorithm, root))
+
+    def held(self, collective, nbytes, algorithm=AUTO, root=0):
+        """The schedule this planner holds for the call's size class (what :meth:`schedule` returns
+        without planning), or None."""
+        return self._schedules.get(_key(collective, nbytes, algorithm, root))
 
     # ---- full plans (with predictions, for users and the CLI) -----------------------------------
     def plan(self, collective, nbytes, algorithm=AUTO, root=0, exhaustive=False):
         """Build, predict and compare; see :class:`Plan`. ``exhaustive``: simulate every candidate to
         its end, even those that provably lose (for tables that compare them). The chosen schedule
-        joins both caches unless this planner holds one for the call already, so :meth:`schedule`
-        (what a :class:`ddl.Communicator` runs) finds it for any size of its class.
+        joins both caches, so :meth:`schedule` (what a :class:`ddl.Communicator` runs) finds it for any
+        size of its class, unless they hold a plan of that class already: the first plan of a class
+        stays, whichever size or process made it, so every job on the topology runs the same one
+        (:meth:`held` says which).
 
         The cyclic garbage collector is paused throughout: the candidates are millions of small
         containers without cycles, and every collection between two builds would walk all those built
@@ -183,10 +190,12 @@ class Planner:
         bound = lower_bound(self.topo, collective, nbytes, root=root)
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
         reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
-        key = (collective, root, algorithm, size_class(nbytes))
+        key = _key(collective, nbytes, algorithm, root)
         if nbytes > 0 and key not in self._schedules:   # a plan made ahead of a job (``ddl plan``) is
-            self._schedules[key] = sched                  # found by its ranks (0 bytes: every algorithm
-            self._store(key, sched)                       # ties, so not the 1-byte class's plan)
+            held = self._load(key)                        # found by its ranks (0 bytes: every algorithm
+            if held is None:                              # ties, so not the 1-byte class's plan)
+                self._store(key, sched)
+            self._schedules[key] = sched if held is None else held
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 
@@ -238,6 +247,12 @@ class Planner:
             # a read-only home must not stop training; the memory cache still works
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def _key(collective, nbytes, algorithm, root):
+    """The caches' key of a call: its size class, and its root for broadcast only (the other
+    collectives have none, so any root asks for the same plan)."""
+    return (collective, root if collective == "broadcast" else 0, algorithm, size_class(nbytes))
 
 
 _FORKED = None     # what forked workers inherit (see _predict)

@@ -211,7 +211,10 @@ def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize("args,message", [
     (["--workers", "0"], "--workers 0: at least 1"),
     (["--bytes", "12XB"], "--bytes"),
-    (["--root", "9"], "--root 9 is not a rank"),
+    (["--collective", "broadcast", "--root", "9"], "--root 9 is not a rank"),
+    (["--root", "2"], "--root 2: allreduce has no root"),
+    (["--save", ""], "--save needs a file name"),
+    (["--save", str(ZOO / "emulated-2rack.yaml")], "is the topology file itself"),
     (["--algorithm", "fastest"], "unknown algorithm 'fastest'"),
     (["--bytes", "4MiB,64MiB", "--compare"], "--compare takes one size"),
     (["--bytes", "4MiB,64MiB", "--save", "s.json"], "--save takes one size")])
@@ -220,6 +223,15 @@ def test_plan_user_errors_are_one_line(capsys, tmp_path, monkeypatch, args, mess
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--workers", "1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddl: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_compare_reads_every_file_before_planning_any(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nnodes: [{id: g0, kind: gpu}]\nlinks: []\nranks: [g9]\n")
+    monkeypatch.setattr(Planner, "plan", lambda *a, **k: pytest.fail("planned before reading every file"))
+    assert main(["plan", str(ZOO / "dgx1-v100.yaml"), str(bad), "--compare", "--workers", "1"]) == 2
+    assert "bad.yaml" in capsys.readouterr().err
 
 
 def _star(p, message_cost=None):

@@ -92,3 +92,42 @@ def test_a_cache_file_holding_another_calls_plan_is_a_miss(tmp_path):
     assert Planner(topo, cache_dir=tmp_path)._load(("allreduce", 0, "auto", 8192)) == got    # rewritten
     planner.schedule("broadcast", 8000, root=2).save(planner.cache_file("broadcast", 8000, root=1))
     assert Planner(topo, cache_dir=tmp_path).schedule("broadcast", 8000, root=1).root == 1
+
+
+def test_the_first_plan_of_a_size_class_stays_and_later_ones_say_so(tmp_path, monkeypatch, capsys):
+    """Sizes of one class share a cache file. The plan stored first stays, made in the same command or
+    another, and a plan that differs says it was not stored instead of naming a file that holds
+    something else."""
+    from ddl.cli import main
+    from ddl.schedule import Schedule
+
+    path = tmp_path / "t4.yaml"
+    path.write_text("name: t4\ntiers:\n  - {name: gpu, count: 2, bandwidth: 10 GB/s}\n"
+                    "  - {name: host, count: 2, bandwidth: 1 GB/s}\n")
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["plan", str(path), "--bytes", "129KiB,256KiB", "--workers", "1", "--json"]) == 0
+    first, second = json.loads(capsys.readouterr().out)
+    assert first["algorithm"] != second["algorithm"], "the two sizes should plan differently here"
+    stored = first["cache_file"]
+    assert Schedule.load(stored).algorithm == first["algorithm"]
+    assert second["cache_file"] is None
+    assert second["cache_holds_other"] == {"file": stored, "algorithm": first["algorithm"]}
+    # another command: the same answer, and the file is left as it was
+    assert main(["plan", str(path), "--bytes", "256KiB", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"not cached  {stored}" in out
+    assert f"up to 256 KiB; {first['algorithm']}), which a job's ranks run" in out
+    assert Schedule.load(stored).algorithm == first["algorithm"]
+    # and the planner of a job runs the stored plan for either size
+    from ddl.topology import Topology
+    job = Planner(Topology.load(path))
+    assert job.schedule("allreduce", 256 << 10) == job.held("allreduce", 129 << 10) == Schedule.load(stored)
+
+
+def test_only_broadcast_plans_are_kept_per_root(tmp_path):
+    """The other collectives have no root: any root asks for the plan a job (root 0) runs."""
+    planner = Planner(flat_topology(4), cache_dir=tmp_path)
+    assert planner.cache_file("allreduce", 8000, root=2) == planner.cache_file("allreduce", 8000)
+    assert planner.schedule("allgather", 8000, root=3) is planner.schedule("allgather", 8000)
+    assert planner.cache_file("broadcast", 8000, root=2) != planner.cache_file("broadcast", 8000)
+    assert planner.schedule("broadcast", 8000, root=2).root == 2

@@ -57,16 +57,28 @@ def run(args):
         raise PlanError("several files need --compare")
     if len(sizes) > 1 and (args.compare or args.save):
         raise PlanError(f"--bytes {args.bytes}: {'--compare' if args.compare else '--save'} takes one size")
-    plans = []
-    for path in args.files:
+    if args.root and args.collective != "broadcast":
+        raise PlanError(f"--root {args.root}: {args.collective} has no root (--root is for --collective broadcast)")
+    if args.save is not None:
+        if not args.save.strip():
+            raise PlanError("--save needs a file name, e.g. --save plan.json")
+        if os.path.exists(args.save) and any(os.path.exists(f) and os.path.samefile(args.save, f) for f in args.files):
+            raise PlanError(f"--save {args.save} is the topology file itself: name another file for the schedule")
+    topos = []
+    for path in args.files:            # every file read and checked before any is planned
         topo = Topology.load(path)
         if not 0 <= args.root < topo.nranks:
             raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
+        topos.append(topo)
+    plans = []
+    for topo in topos:
         planner = Planner(topo, workers=args.workers)
         for nbytes in sizes:
             plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
-            cached = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
-            plans.append((topo, plan, cached if cached is not None and cached.exists() else None))
+            path = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
+            held = planner.held(args.collective, nbytes, args.algorithm, args.root)
+            cached = None if path is None or not path.exists() else (path, held == plan.schedule, held)
+            plans.append((topo, plan, cached))
     if args.save:
         plans[0][1].schedule.save(args.save)
     records = [_record(topo, plan, cached, _timeline(topo, plan) if args.timeline else None)
@@ -112,7 +124,8 @@ def _strip(profile):
 
 
 def _record(topo, plan, cached=None, timeline=None):
-    """The plan as a JSON-ready dict; ``cached``: the disk-cache file that now holds its schedule."""
+    """The plan as a JSON-ready dict; ``cached``: ``(the disk-cache file of its size class, whether it
+    holds this plan, the schedule it holds)`` or None."""
     from ..bounds import busbw
 
     p = topo.nranks
@@ -141,7 +154,9 @@ def _record(topo, plan, cached=None, timeline=None):
         "spans": len(sched.spans),
         "operations": sched.nops,
         "busiest_links": [{"link": f"{u}->{v}", "utilisation": util, "bytes": b} for (u, v), util, b in plan.busiest],
-        "cache_file": None if cached is None else str(cached),
+        "cache_file": str(cached[0]) if cached and cached[1] else None,
+        "cache_holds_other": ({"file": str(cached[0]), "algorithm": cached[2].algorithm}
+                              if cached and not cached[1] else None),
         **extra,
     }
 
@@ -171,12 +186,17 @@ def _explain(topo, plan, r):
                                                       " in the file's defaults)"))
     spans = f", {r['spans']} spans" if r["spans"] else ""
     lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks{spans}, {r['operations']} operations)")
-    if r["cache_file"]:
+    if r["cache_file"] or r["cache_holds_other"]:
         from ..planner import size_class
         top = size_class(plan.nbytes)
         sizes = f"more than {format_size(top // 2)}, up to {format_size(top)}" if top > 1 else "1 B"
-        lines.append(f"cached      {r['cache_file']}\n            (a job's ranks on this topology load it instead of "
-                     f"planning: the plan of every {plan.collective} of its size class, {sizes})")
+        if r["cache_file"]:
+            lines.append(f"cached      {r['cache_file']}\n            (a job's ranks on this topology load it instead "
+                         f"of planning: the plan of every {plan.collective} of its size class, {sizes})")
+        else:
+            other = r["cache_holds_other"]
+            lines.append(f"not cached  {other['file']}\n            holds a plan made before for this size class "
+                         f"({sizes}; {other['algorithm']}), which a job's ranks run; delete it to store this one")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = f"{secs / plan.predicted_seconds:.2f}x the chosen time" if plan.predicted_seconds else "nothing to move"
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio})")
