@@ -33,7 +33,12 @@ Execution rules
   ``schedule.matches`` says.
 * Sends are issued as soon as their dependencies complete, straight from the buffer (no copy).
 * Reductions of a chunk happen in program order (each waits for the previous write to its chunk), so
-  the reduction order -- hence every bit of the result -- is a fixed function of the schedule.
+  the reduction order -- hence every bit of the result -- is a fixed function of the schedule. The
+  operands go in the order :attr:`Schedule.operand_order` gives (``ufunc(scratch, local, out=local)``
+  where the incoming one goes first): two ranks that combine the same partial results then compute
+  the same bits even where an op is not bitwise commutative (``max(-0.0, +0.0)`` is -0.0 and
+  ``max(+0.0, -0.0)`` +0.0; a sum of two NaNs keeps the first one's sign and payload). The verifier
+  proves it.
 * Tags: ``1 + slot * 2**chunk_bits + chunk`` with ``slot = (seq mod window, signature salt)``, all
   within ``MPI.TAG_UB``; at most ``window - 1`` collectives are in flight per rank (starting another
   first completes the oldest), so concurrent collectives never cross. Tag 0 is never used for data.
@@ -80,7 +85,7 @@ import numpy as np
 
 from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk_locations, read_location
 from .errors import Error, StallError
-from .schedule import RECV, SEND
+from .schedule import RECV, REDUCE, SEND
 
 # compiled op codes
 C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
@@ -124,6 +129,15 @@ class TagSpace:
         return 1 + (slot << self.chunk_bits)
 
 
+def _combine(ufunc, v):
+    """Reduce the operands of a reduction's views (see :meth:`CompiledPlan.views`) into its output."""
+    if v[1] is None:                   # a span whose members take different operand orders
+        for a, b, out in v[2]:
+            ufunc(a, b, out=out)
+    else:
+        ufunc(v[1], v[2], out=v[3])
+
+
 class CompiledPlan:
     """A schedule instantiated for (rank, count, itemsize, layout); see the module docstring."""
 
@@ -145,6 +159,8 @@ class CompiledPlan:
 
         program = schedule.programs[rank]
         deps = schedule.dependencies[rank]
+        base = int(schedule.dataflow.starts[rank]) if program else 0
+        operand_order = schedule.operand_order if any(op.kind == REDUCE for op in program) else None
         keep = [i for i, op in enumerate(program) if ranges[op.chunk, 1] > ranges[op.chunk, 0]]
         new_index = {old: k for k, old in enumerate(keep)}
         written = [False] * nchunks
@@ -192,8 +208,13 @@ class CompiledPlan:
                     written[m] = True
             # (code, peer, chunk, read buf, read e0, read e1, home buf, home e0, home e1, scratch e0, scratch e1,
             #  read b0, read b1, home b0, home b1, scratch b0, scratch b1)
+            first = operand_order[base + i] if kind == REDUCE else False
+            if isinstance(first, tuple):   # a span whose members differ: (start, stop, first) per member
+                first = tuple((int(ranges[m, 0]) - e0, int(ranges[m, 1]) - e0, f)
+                              for m, f in zip(schedule.members(c), first))
+            # (..., incoming first: a bool, or per member of a span)
             ops.append((code, peer, c, sb, so, so + ln, hb, ho, ho + ln, scr[0], scr[1],
-                        so * isz, (so + ln) * isz, ho * isz, (ho + ln) * isz, scr[0] * isz, scr[1] * isz))
+                        so * isz, (so + ln) * isz, ho * isz, (ho + ln) * isz, scr[0] * isz, scr[1] * isz, first))
             need0.append(need)
             orig.append(i)
         self.ops = ops
@@ -240,8 +261,15 @@ class CompiledPlan:
                 vs.append((byts[o[6]][o[13]:o[14]],))
             elif code == C_RECV_SCRATCH:
                 vs.append((scr_b[o[15]:o[16]], scr_t[o[9]:o[10]], bufs[o[6]][o[7]:o[8]]))
-            else:  # reductions: message into scratch; out = local (initial or home) op incoming
-                vs.append((scr_b[o[15]:o[16]], bufs[o[3]][o[4]:o[5]], scr_t[o[9]:o[10]], bufs[o[6]][o[7]:o[8]]))
+            else:  # reductions: message into scratch; out = local (initial or home) op incoming, or
+                # incoming op local (Schedule.operand_order); per member where a span's members differ
+                local, incoming, out = bufs[o[3]][o[4]:o[5]], scr_t[o[9]:o[10]], bufs[o[6]][o[7]:o[8]]
+                if isinstance(o[17], tuple):
+                    vs.append((scr_b[o[15]:o[16]], None, [(incoming[a:b], local[a:b], out[a:b]) if f else
+                                                          (local[a:b], incoming[a:b], out[a:b])
+                                                          for a, b, f in o[17]], None))
+                else:
+                    vs.append((scr_b[o[15]:o[16]], *((incoming, local) if o[17] else (local, incoming)), out))
         if self.count * self.itemsize <= _VIEW_CACHE_BYTES:
             self._vcache = (tuple(bufs), vs)
         return vs
@@ -596,8 +624,7 @@ class Engine:
                 self.nactive += 1
                 continue
             if code == C_REDUCE_EARLY:
-                v = views[k]
-                plan.ufunc(v[1], v[2], out=v[3])
+                _combine(plan.ufunc, views[k])
             elif code == C_RECV_SCRATCH:
                 v = views[k]
                 v[2][...] = v[1]
@@ -744,8 +771,7 @@ class Engine:
         elif ev == EV_LATE_REDUCE:
             if self.bell is not None and ex.plan.large:
                 self._ring_sender(ex, k)
-            v = ex.views[k]
-            ex.plan.ufunc(v[1], v[2], out=v[3])
+            _combine(ex.plan.ufunc, ex.views[k])
             self._complete(ex, k)
         elif ev == EV_AGREE:
             ex.agree_done = True

@@ -200,6 +200,15 @@ class Schedule:
     def nops(self):
         return sum(len(p) for p in self.programs)
 
+    @cached_property
+    def operand_order(self):
+        """For every operation (in :attr:`dataflow` order), whether a reduce puts the incoming operand
+        first, so that ranks combining the same two partial results compute the same bits (see
+        :mod:`ddl.verify`; a tuple per member for a span whose members differ). Worked out once, by
+        :func:`ddl.verify.verify` where it ran."""
+        from .verify import operand_order
+        return operand_order(self)
+
     def bytes_sent(self, nbytes):
         """Bytes each rank sends for a buffer of ``nbytes`` (by chunk fractions)."""
         frac = self.chunk_fractions

@@ -3,13 +3,21 @@
 The verifier executes a schedule on symbols instead of numbers. Every rank starts with a symbol per
 chunk ("rank r's contribution to chunk c"); a reduction combines two symbols into an expression whose
 *set of contributors* must be disjoint (every contribution counted exactly once) and whose *identity*
-records the reduction order. At the end:
+records the reduction order, operand order included. At the end:
 
 * allreduce: every rank holds, in every chunk, an expression over all ranks, and the *same*
   expression on every rank — so float results are bitwise identical everywhere;
 * reduce-scatter: rank r holds the full reduction in every chunk of block r;
 * allgather: every rank holds, in every chunk, the owner's original data;
 * broadcast: every rank holds the root's data.
+
+Operand order: ``max(-0.0, +0.0)`` is -0.0 and ``max(+0.0, -0.0)`` +0.0, and a sum of two NaNs keeps
+the first one's sign and payload, so two ranks that combine the same two partial results (recursive
+doubling's partners) must put them in the same order. The rule, here and in the executors: the
+operand whose contributors include the lowest rank goes first. It depends on the operands alone, so
+both partners agree; the executors learn it per operation from :func:`operand_order` (a by-product of
+:func:`verify`), since a rank cannot tell from its own program whose contributions an incoming chunk
+holds.
 
 Execution follows the schedule's dataflow rules (see :mod:`ddl.schedule`) as a topological sort over
 the operations of all ranks (:attr:`Schedule.dataflow`), with an edge from every send to its matched
@@ -51,9 +59,23 @@ def verify(schedule, stop=None):
     with gc_paused():                  # a value per reduction: millions of small tuples, no cycles
         values = _Values()
         state = _initial_state(schedule, values)
-        reductions = _execute(schedule, state, values, stop)
+        order = [False] * schedule.nops
+        reductions = _execute(schedule, state, values, stop, order)
         _check_final(schedule, state, values)
+    schedule.__dict__.setdefault("operand_order", order)     # Schedule.operand_order, already worked out
     return Verdict(schedule.collective, schedule.nranks, schedule.nchunks, schedule.nops, reductions)
+
+
+def operand_order(schedule):
+    """For every operation (in :attr:`Schedule.dataflow` order), whether it combines the incoming
+    operand first: ``True``/``False`` for a reduce (``False`` for every other operation), a tuple of them
+    for a reduce of a span whose members differ. Executors follow it; use :attr:`Schedule.operand_order`,
+    which caches it (and which :func:`verify` fills as it goes)."""
+    with gc_paused():
+        values = _Values()
+        order = [False] * schedule.nops
+        _execute(schedule, _initial_state(schedule, values), values, None, order)
+    return order
 
 
 def check(schedule):
@@ -75,10 +97,12 @@ class _Values:
     def leaf(self, rank, chunk):
         return self._intern(("leaf", rank, chunk), 1 << rank)
 
-    def combine(self, a, b):
-        # Reductions ddl offers are commutative, so (a op b) and (b op a) are bitwise equal: sort.
-        key = (a, b) if a <= b else (b, a)
-        return self._intern(key, self.masks[a] | self.masks[b])
+    def combine(self, local, incoming):
+        """``(the combined value, whether the incoming operand goes first)``: the operand whose
+        contributors include the lowest rank goes first (see the module docstring)."""
+        a, b = self.masks[local], self.masks[incoming]
+        first = b & -b < a & -a
+        return self._intern((incoming, local) if first else (local, incoming), a | b), first
 
     def _intern(self, key, mask):
         vid = self._ids.get(key)
@@ -112,7 +136,9 @@ def _describe(schedule, rank, index):
     return f"rank {rank} op {index} ({kind} {what} {direction} rank {peer})"
 
 
-def _execute(schedule, state, values, stop=None):
+def _execute(schedule, state, values, stop=None, order=None):
+    """Run the schedule on symbols; returns the number of reductions. ``order``: a list (one entry per
+    operation) that receives every reduce's operand order (see :func:`operand_order`)."""
     df = schedule.dataflow
     kind, rank, chunk, partner, dependents = df.kind, df.rank, df.chunk, df.partner, df.dependents
     send, reduce = OP_KINDS.index(SEND), OP_KINDS.index(REDUCE)
@@ -138,8 +164,11 @@ def _execute(schedule, state, values, stop=None):
             if kind[g] == send:
                 inflight[partner[g]] = [_sent(row, m, describe, g) for m in members[c]]
             else:
+                firsts = []
                 for m, incoming in zip(members[c], inflight[g]):
-                    reductions += _land(row, m, incoming, kind[g] == reduce, masks, combine, describe, g)
+                    reductions += _land(row, m, incoming, kind[g] == reduce, masks, combine, describe, g, firsts)
+                if firsts and order is not None:
+                    order[g] = firsts[0] if len(set(firsts)) == 1 else tuple(firsts)
         elif kind[g] == send:
             value = row[c]
             if value is None:
@@ -149,7 +178,9 @@ def _execute(schedule, state, values, stop=None):
             local, incoming = row[c], inflight[g]
             if local is None or masks[local] & masks[incoming]:
                 _land(row, c, incoming, True, masks, combine, describe, g)   # raises
-            row[c] = combine(local, incoming)
+            row[c], first = combine(local, incoming)
+            if order is not None:
+                order[g] = first
             reductions += 1
         else:
             row[c] = inflight[g]
@@ -183,7 +214,7 @@ def _sent(row, c, describe, g):
     return value
 
 
-def _land(row, c, incoming, reduce, masks, combine, describe, g):
+def _land(row, c, incoming, reduce, masks, combine, describe, g, firsts=None):
     """Store (or reduce) a received value of chunk ``c``; returns the number of reductions, 0 or 1."""
     if not reduce:
         row[c] = incoming
@@ -195,7 +226,9 @@ def _land(row, c, incoming, reduce, masks, combine, describe, g):
     if overlap:
         raise ScheduleError(f"{describe(g)}: contribution of rank(s) {_ranks(overlap)} to chunk {c} would be "
                             f"counted twice")
-    row[c] = combine(local, incoming)
+    row[c], first = combine(local, incoming)
+    if firsts is not None:
+        firsts.append(first)
     return 1
 
 

@@ -225,7 +225,11 @@ static DDL_HD uint4 load_pack_ro(const uint4* p) {
 }
 
 // ---- the reduction -------------------------------------------------------------------------------
-// K operands (K >= 2): src[0] is the local value, src[1..K-1] the incoming chunks.
+// K operands (K >= 2): src[0] is the local value, src[1..K-1] the incoming chunks. Where the first
+// incoming chunk goes first (Schedule.operand_order: ranks that combine the same partial results put
+// them in the same order, see ddl/verify.py) the two swap places, and src[1] may then be `out`
+// itself. Its read-only loads stay valid: each element is loaded once, by the thread that stores it,
+// before it stores it.
 template <class Op, class T, int K> struct Reduce {
     typedef Elem<T> E;
     typedef typename E::S S;

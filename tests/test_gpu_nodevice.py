@@ -877,12 +877,12 @@ def _inputs_for(layout, n, count, d, rng, dt_name):
     return [_random(dt_name, count, rng) for _ in range(n)]
 
 
-def _run_simulated(sched, layout, dt_name, op, count, root=0):
+def _run_simulated(sched, layout, dt_name, op, count, root=0, ins=None):
     """Every rank's run_plan on host memory, replayed by simulate_nccl; returns inputs and outputs."""
     n = sched.nranks
     d = npdt(dt_name)
     rng = np.random.default_rng(count + n)
-    ins = _inputs_for(layout, n, count, d, rng, dt_name)
+    ins = _inputs_for(layout, n, count, d, rng, dt_name) if ins is None else ins
     recorders, keep, outs = [], [], []
     for r in range(n):
         lp = launch_plan(sched, r, count, d.itemsize, layout)
@@ -965,6 +965,38 @@ def test_nccl_step_logic_end_to_end_on_simulated_nccl(sched):
             if sched.collective == "allgather":
                 for r in range(n):
                     np.testing.assert_array_equal(outs[r], np.concatenate(ins))
+
+
+def test_partners_put_the_same_operand_first_on_the_device_path():
+    """max(-0.0, +0.0) is -0.0 and max(+0.0, -0.0) +0.0: where partners combine the same partial
+    results (recursive doubling here, positions not in rank order) every rank must put the same one
+    first (Schedule.operand_order), in the launch plan's reductions as in the host executor."""
+    from ddl.algorithms.recursive_doubling import recursive_doubling_schedule
+    from ddl.verify import verify
+    sched = recursive_doubling_schedule([0, 3, 1, 2])
+    verify(sched)
+    count = 64
+    ins = [np.where(np.arange(count) % 4 == r, -0.0, 0.0).astype(np.float32) for r in range(4)]
+    _, outs = _run_simulated(sched, "allreduce", "float32", "MAX", count, ins=ins)
+    assert len({o.tobytes() for o in outs}) == 1
+    swapped = [r.incoming_first for rank in range(4)
+               for step in launch_plan(sched, rank, count, 4, "allreduce").steps for r in step.reductions]
+    assert any(swapped) and not all(swapped)
+
+
+@pytest.mark.parametrize("name", ["recursive-doubling", "tiered-exchange"])
+def test_exchanges_run_on_the_device_path(name):
+    """Both partners of an exchange send, then reduce what they received: the two transfers wait on
+    each other's sends, which used to read as a cycle of waits (these small-message algorithms could not
+    run on GPUs). A reduce receives into scratch and combines after its step, so they share one."""
+    from ddl.topology import Topology
+    topo = Topology.load(Path(__file__).resolve().parent.parent / "topologies" / "fat-tree-4x4-r4.yaml")
+    sched = ALGORITHMS[name](topo, "allreduce", nbytes=64)
+    count = 16 * 5
+    ins = [np.arange(count, dtype=np.int32) * (r + 1) for r in range(16)]
+    _, outs = _run_simulated(sched, "allreduce", "int32", "SUM", count, ins=ins)
+    for out in outs:
+        np.testing.assert_array_equal(out, np.sum(ins, axis=0))
 
 
 def test_simulator_catches_mismatched_groups():

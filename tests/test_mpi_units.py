@@ -151,16 +151,21 @@ def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
     assert [o[0] for o in big.ops].count(C_REDUCE_EARLY) == 2
     # ... except a reduction behind a late receive of the same chunk from the same peer: MPI must match
     # the receive first, so the reduction is posted after it
-    b = ScheduleBuilder("allreduce", 2, (1,))
-    b.transfer(0, 1, 0)
+    # (a valid allreduce: rank 1 returns x0 + x1, then forwards x2, which rank 0 adds)
+    b = ScheduleBuilder("allreduce", 3, (1,))
+    b.transfer(0, 1, 0, reduce=True)
     b.transfer(1, 0, 0)
+    b.transfer(2, 1, 0)
     b.transfer(1, 0, 0, reduce=True)
+    b.transfer(0, 1, 0)
+    b.transfer(0, 2, 0)
     odd = CompiledPlan(b.build(), 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add, early_limit=16)
-    assert [o[0] for o in odd.ops] == [C_SEND, C_RECV_LATE, C_REDUCE_LATE]
+    assert [o[0] for o in odd.ops] == [C_SEND, C_RECV_LATE, C_REDUCE_LATE, C_SEND, C_SEND]
     odd = CompiledPlan(b.build(), 0, 3000, np.dtype(np.float32), "allreduce", ufunc=np.add)
-    assert [o[0] for o in odd.ops] == [C_SEND, C_RECV_SCRATCH, C_REDUCE_EARLY]
+    assert [o[0] for o in odd.ops] == [C_SEND, C_RECV_SCRATCH, C_REDUCE_EARLY, C_SEND, C_SEND]
     # 2 elements over 3 chunks: one chunk is empty and its ops are dropped on every rank
     tiny = [CompiledPlan(s, r, 2, np.dtype(np.float32), "allreduce", ufunc=np.add) for r in range(3)]
     assert all(t.nops < plan.nops for t in tiny)
     empty = CompiledPlan(s, 1, 0, np.dtype(np.float32), "allreduce", ufunc=np.add)
     assert empty.nops == 0
+

@@ -243,6 +243,27 @@ def test_different_reduction_orders_across_ranks_are_refused():
         verify(b.build())
 
 
+def test_operand_order_puts_the_lowest_contributor_first():
+    """Ranks 0 and 3 swap and reduce (A = x0 op x3 on both), 1 and 2 too (B = x1 op x2); then 0 and 1
+    swap, and 2 and 3. max(-0.0, +0.0) and max(+0.0, -0.0) differ, so every rank must compute A op B:
+    A holds rank 0's contribution, so it goes first, whichever operand is local. Ordered by the
+    sender's rank instead, ranks 2 and 3 would compute B op A."""
+    from ddl.verify import operand_order
+    b = ScheduleBuilder("allreduce", 4, (1,))
+    b.round([(0, 3, 0, True), (3, 0, 0, True), (1, 2, 0, True), (2, 1, 0, True)])
+    b.round([(0, 1, 0, True), (1, 0, 0, True), (2, 3, 0, True), (3, 2, 0, True)])
+    sched = b.build()
+    assert "operand_order" not in sched.__dict__
+    verify(sched)                                      # works it out on the way
+    order, starts = sched.operand_order, sched.dataflow.starts
+    firsts = [[order[starts[r] + i] for i, op in enumerate(sched.programs[r]) if op.kind == "reduce"]
+              for r in range(4)]
+    assert firsts == [[False, False], [False, True], [True, True], [True, False]]
+    assert operand_order(sched) == order               # the same from scratch
+    assert not any(order[starts[r] + i] for r in range(4)
+                   for i, op in enumerate(sched.programs[r]) if op.kind != "reduce")
+
+
 def test_a_round_ships_the_values_held_before_it():
     """Every rank's sends of a round precede its receives, in the order given. Ranks 0 and 1 swap,
     then in one round rank 2 takes 0's sum and sends its own x2 to both: all end with (x0 + x1) + x2.

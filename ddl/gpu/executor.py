@@ -376,8 +376,10 @@ def run_plan(lp, ptrs, transport, rt, op, dtype, stream):
             transport.step([(t.kind, t.peer, ptrs[t.buf] + t.offset, t.nbytes, t.tag) for t in step.transfers],
                            stream)
         for r in step.reductions:
-            rt.reduce(op, dtype, ptrs[r.out[0]] + r.out[1], ptrs[r.a0[0]] + r.a0[1],
-                      [scratch + s for s in r.inputs], r.count, stream)
+            a0, inputs = ptrs[r.a0[0]] + r.a0[1], [scratch + s for s in r.inputs]
+            if r.incoming_first:       # the lower rank's operand first (see Reduction)
+                a0, inputs[0] = inputs[0], a0
+            rt.reduce(op, dtype, ptrs[r.out[0]] + r.out[1], a0, inputs, r.count, stream)
 
 
 # ---- requests ---------------------------------------------------------------------------------------------

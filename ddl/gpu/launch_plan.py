@@ -11,8 +11,9 @@ A transfer's level is one more than the highest level of the transfers its two o
 with anything it waits for, and both halves of a transfer are issued in the same step on both
 ranks. One exception makes several incoming chunks reduce in one kernel: a ``reduce`` whose only
 dependency is the previous ``reduce`` of the same chunk (no send of the chunk in between) may share
-that reduce's level; both are then received into separate scratch slots and reduced by one launch,
-``out = op(op(a0, first), second)``, in program order.
+that reduce's level; both are then received into separate scratch slots and reduced in program
+order, by one launch ``out = op(op(a0, first), second)`` where the second goes after the chunk's value
+(:attr:`Schedule.operand_order`, see :class:`Reduction`), else by two.
 
 **Steps.** Step L holds this rank's transfers of level L, in a canonical order that both ends
 compute alike -- sorted by (sender, receiver, the send's index in the sender's program) -- so NCCL's
@@ -31,6 +32,8 @@ Buffers: ``send``, ``recv`` (the user's), ``work`` (reduce-scatter's blocks of o
 ``scratch``; offsets are bytes. Chunks are placed in them by :mod:`ddl.buffer_layout`, as on the host.
 """
 from dataclasses import dataclass
+
+import networkx as nx
 
 from ..buffer_layout import LAYOUTS, RECV as RECV_BUF, SEND as SEND_BUF, WORK as WORK_BUF  # noqa: F401 (names)
 from ..buffer_layout import chunk_locations, read_location
@@ -59,7 +62,9 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Reduction:
-    """``out = op(...op(a0, inputs[0])..., inputs[-1])`` over ``count`` elements after a step."""
+    """``out = op(...op(a0, inputs[0])..., inputs[-1])`` over ``count`` elements after a step, or with
+    ``incoming_first`` ``op(...op(inputs[0], a0)...)``, as :attr:`Schedule.operand_order` says (an op
+    need not be bitwise commutative: ``max(-0.0, +0.0)``); so only a chain's first input may go first."""
 
     chunk: int
     count: int
@@ -67,6 +72,7 @@ class Reduction:
     a0: tuple        # (buf, byte offset): the chunk's current value (may equal out)
     inputs: tuple    # scratch byte offsets, in program order
     op_indices: tuple
+    incoming_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,27 @@ def _soft(program, deps, j):
     return None
 
 
+def _levels_through_exchanges(schedule, nodes, preds):
+    """:func:`transfer_levels`' levels where waits form cycles: transfers on a cycle of waits that
+    all allow the same step (weight 0: an exchange's two transfers) share one; a cycle through a wait
+    for an earlier step cannot run."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(nodes)
+    graph.add_weighted_edges_from((q, n, w) for n in nodes for q, w in preds[n])
+    dag = nx.condensation(graph)
+    member = dag.graph["mapping"]
+    for u, v, w in graph.edges(data="weight"):
+        if w and member[u] == member[v]:
+            stuck = sorted(dag.nodes[member[u]]["members"])[:4]
+            raise ScheduleError(f"schedule {schedule!r} has a cycle of waits (e.g. the sends at (rank, op) "
+                                f"{stuck}); it cannot run")
+    step = {}
+    for x in nx.topological_sort(dag):
+        step[x] = max((step[member[q]] + w for n in dag.nodes[x]["members"] for q, w in preds[n]
+                       if member[q] != x), default=0)
+    return {n: step[member[n]] for n in nodes}
+
+
 def transfer_levels(schedule):
     """For every rank, for every op of its program, the level (step) of the transfer it belongs to.
 
@@ -138,8 +165,11 @@ def transfer_levels(schedule):
         b, j = matches[a][i]
         p = [(tid[a][d], 1) for d in deps[a][i]]
         soft = _soft(progs[b], deps[b], j)
+        reduce = progs[b][j].kind == REDUCE
         for d in deps[b][j]:
-            p.append((tid[b][d], 0 if d == soft else 1))
+            # a reduce receives into scratch and combines after its step, so it may share a step with
+            # the receiver's own send of the chunk (an exchange: both partners send, then both reduce)
+            p.append((tid[b][d], 0 if d == soft or (reduce and progs[b][d].kind == SEND) else 1))
         preds[(a, i)] = p
         for q, _w in p:
             succs[q].append((a, i))
@@ -156,10 +186,8 @@ def transfer_levels(schedule):
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
-    if len(level) != len(nodes):
-        stuck = sorted(n for n in nodes if n not in level)[:4]
-        raise ScheduleError(f"schedule {schedule!r} has a cycle of waits (e.g. the sends at (rank, op) "
-                            f"{stuck}); it cannot run")
+    if len(level) != len(nodes):       # exchanges: transfers that may share a step wait on each other
+        level = _levels_through_exchanges(schedule, nodes, preds)
     out = tuple(tuple(level[tid[r][i]] for i in range(len(prog))) for r, prog in enumerate(progs))
     _levels_cache[id(schedule)] = (schedule, out)
     if len(_levels_cache) > 256:
@@ -188,6 +216,8 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
     deps = schedule.dependencies[rank]
     matches = schedule.matches[rank]
     levels = transfer_levels(schedule)[rank]
+    base = int(schedule.dataflow.starts[rank]) if program else 0
+    operand_order = schedule.operand_order if any(op.kind == REDUCE for op in program) else None
 
     written = [False] * schedule.nchunks
     copies = [(sb, so * itemsize, db, do * itemsize, n * itemsize) for sb, so, db, do, n in precopies]
@@ -228,11 +258,20 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
             st["transfers"].append((key, "recv", peer, SCRATCH_BUF, slot, nbytes, c, i, True))
             soft = _soft(program, deps, i)
             k = st["open"].get(c)
-            if soft is not None and k is not None and levels[soft] == lv and st["reds"][k]["ops"][-1] == soft:
+            first = operand_order[base + i]      # the incoming operand first: only as a chain's first input
+            if isinstance(first, tuple):         # a span whose members differ: a reduction per member
+                for m, f in zip(schedule.members(c), first):
+                    off = (int(ranges[m, 0]) - e0) * itemsize
+                    st["reds"].append({"chunk": c, "count": int(ranges[m, 1] - ranges[m, 0]), "first": f,
+                                       "out": (hbuf, hoff + off), "a0": (cur[0], cur[1] * itemsize + off),
+                                       "inputs": [slot + off], "ops": [i]})
+                st["open"].pop(c, None)
+            elif (soft is not None and k is not None and levels[soft] == lv and st["reds"][k]["ops"][-1] == soft
+                    and not first):
                 st["reds"][k]["inputs"].append(slot)
                 st["reds"][k]["ops"].append(i)
             else:
-                st["reds"].append({"chunk": c, "count": e1 - e0, "out": (hbuf, hoff),
+                st["reds"].append({"chunk": c, "count": e1 - e0, "out": (hbuf, hoff), "first": first,
                                    "a0": (cur[0], cur[1] * itemsize), "inputs": [slot], "ops": [i]})
                 st["open"][c] = len(st["reds"]) - 1
         for m in schedule.members(c):
@@ -249,8 +288,8 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
             tag = ordinal.get(pair, 0)
             ordinal[pair] = tag + 1
             out.append(Transfer(kind, peer, buf, off, nbytes, c, i, red, tag, key))
-        reds = tuple(Reduction(r["chunk"], r["count"], r["out"], r["a0"], tuple(r["inputs"]), tuple(r["ops"]))
-                     for r in st["reds"])
+        reds = tuple(Reduction(r["chunk"], r["count"], r["out"], r["a0"], tuple(r["inputs"]), tuple(r["ops"]),
+                               r["first"]) for r in st["reds"])
         steps.append(Step(lv, tuple(out), reds, st["cursor"]))
 
     for c, (init, home, needed) in enumerate(locs[:schedule.nchunks]):
@@ -274,6 +313,7 @@ def describe(plan):
             lines.append(f"    {t.kind} chunk {t.chunk} {'to' if t.kind == 'send' else 'from'} {t.peer}: "
                          f"{t.buf}+{t.offset} ({t.nbytes} B){' [reduce]' if t.reduce else ''}")
         for r in s.reductions:
-            lines.append(f"    reduce chunk {r.chunk}: {r.out[0]}+{r.out[1]} = op({r.a0[0]}+{r.a0[1]}, "
-                         f"scratch {list(r.inputs)}) x {r.count}")
+            local, incoming = f"{r.a0[0]}+{r.a0[1]}", f"scratch {list(r.inputs)}"
+            first, second = (incoming, local) if r.incoming_first else (local, incoming)
+            lines.append(f"    reduce chunk {r.chunk}: {r.out[0]}+{r.out[1]} = op({first}, {second}) x {r.count}")
     return "\n".join(lines)

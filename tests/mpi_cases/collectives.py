@@ -556,6 +556,34 @@ def check_inline():
            "inline and scheduled Iallreduce in flight together")
 
 
+def check_signed_zeros_and_nans():
+    """Bitwise identity where ops are not bitwise commutative: max(-0.0, +0.0) is -0.0 and
+    max(+0.0, -0.0) +0.0, and a sum of two NaNs keeps the first one's sign and payload. Every
+    algorithm (recursive doubling and the tiered exchange have partners combine the same two partial
+    results), inline and scheduled."""
+    from ddl.algorithms import ALGORITHMS
+    topo = two_host_topology(p)
+    count = 13 * p + 5
+    zeros = np.where(np.arange(count) % 2 == r % 2, -0.0, 0.0)
+    nans = np.full(count, np.nan)
+    nans.view(np.uint64)[:] |= np.uint64(r + 1) | (np.uint64(r % 2) << np.uint64(63))  # payload, sign
+    cases = [(ddl.MAX, zeros), (ddl.MIN, zeros), (ddl.SUM, nans), (ddl.PROD, nans)]
+    comms = [("auto", comm)] + [(name, ddl.Communicator(WORLD, topology=topo, algorithm=name)) for name in ALGORITHMS]
+    for name, c in comms:
+        for op, x in cases:
+            for dt in (np.float64, np.float32):
+                try:
+                    if name != "auto":
+                        c.plan(count * np.dtype(dt).itemsize)
+                except ddl.PlanError:
+                    continue
+                out = x.astype(dt)
+                c.Allreduce(ddl.IN_PLACE, out, op=op)
+                chk.same_everywhere(f"{name} {op} {np.dtype(dt)} signed zeros / NaN payloads", out)
+        if name != "auto":
+            c.Free()
+
+
 def check_reproducible():
     """A fresh communicator reproduces the bits of the first one (every run, not just every rank)."""
     a = inputs(r, np.dtype(np.float32), 1001, ddl.SUM)
@@ -574,6 +602,7 @@ check_functional()
 check_two_communicators()
 check_inline()
 check_reproducible()
+check_signed_zeros_and_nans()
 if mode == "full" or p in (5, 8):
     check_algorithms()
     check_hierarchical_ramped_waves()
