@@ -73,7 +73,10 @@ def digest62(*parts):
 
 
 def _dtype_words(dtype):
-    name = (np.dtype(dtype).name if dtype is not None else "").encode()[:16].ljust(16, b"\x00")
+    dt = None if dtype is None else np.dtype(dtype)
+    # the byte order counts: '>i4' and '<i4' are both named int32, and summing one into the other is wrong
+    label = "" if dt is None else dt.name if dt.isnative else dt.str
+    name = label.encode()[:16].ljust(16, b"\x00")
     return int.from_bytes(name[:8], "little", signed=True), int.from_bytes(name[8:], "little", signed=True)
 
 

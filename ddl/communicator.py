@@ -58,7 +58,7 @@ from .agreement import CHECK_MODES, ShmBoard, Signature, digest62, format_ranks
 from .buffers import IN_PLACE, is_in_place, parse_buffer
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError
-from .executor import CompiledPlan, Engine, Execution, _env_float
+from .executor import CompiledPlan, Engine, Execution, _env_float, _env_int
 from .ops import SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
 
@@ -249,7 +249,7 @@ class Communicator:
         self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
         # auto, with ddl's planner, on one node: the smallest collectives ride on the agreement board
         limit = ShmBoard.inline_limit(self.size)
-        inline = int(_env_float("DDL_INLINE_BYTES", limit))
+        inline = _env_int("DDL_INLINE_BYTES", limit)
         if not 0 <= inline <= limit:
             raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
                         f"on {self.size} ranks, got {inline}")

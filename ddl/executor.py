@@ -76,6 +76,7 @@ Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``
 ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0``, ``DDL_EARLY_LIMIT``,
 ``DDL_LARGE_MESSAGE``).
 """
+import math
 import os
 import sys
 import time
@@ -108,9 +109,20 @@ def _env_float(name, default):
     if value in (None, ""):
         return default
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
         raise Error(f"environment variable {name}={value!r} is not a number") from None
+    if math.isnan(number):
+        raise Error(f"environment variable {name}={value!r} is not a number")
+    return number
+
+
+def _env_int(name, default):
+    """An integer setting (bytes, counts): a finite number, rounded down."""
+    number = _env_float(name, default)
+    if not math.isfinite(number):
+        raise Error(f"environment variable {name}={os.environ.get(name)!r} must be a finite number")
+    return int(number)
 
 
 class TagSpace:
@@ -146,7 +158,7 @@ class CompiledPlan:
         self.ufunc = ufunc
         isz = self.itemsize = np.dtype(dtype).itemsize
         if early_limit is None:
-            early_limit = int(_env_float("DDL_EARLY_LIMIT", 256 * 1024))
+            early_limit = _env_int("DDL_EARLY_LIMIT", 256 * 1024)
         n = schedule.nranks
         nchunks = schedule.nchunks
         # initial location and home of every chunk id (ddl.buffer_layout), with our buffer numbers
@@ -234,7 +246,7 @@ class CompiledPlan:
         self.nops = len(ops)
         self.max_chunk = schedule.nids
         # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
-        large = int(_env_float("DDL_LARGE_MESSAGE", 16 * 1024))
+        large = _env_int("DDL_LARGE_MESSAGE", 16 * 1024)
         self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
         self._pool = []  # free (scratch, work) pairs
         self._vcache = None
@@ -438,7 +450,7 @@ class Engine:
         self.oversubscribed = oversubscribed
         # idle policy (see _drive_until): `spin` empty polls, then sched_yield until `sleep_after` s without
         # progress, then doorbell sleep or naps. Oversubscribed: yield at once, sleep after 1 ms.
-        self.spin = int(_env_float("DDL_SPIN", 0 if oversubscribed else 64))
+        self.spin = _env_int("DDL_SPIN", 0 if oversubscribed else 64)
         self.sleep_after = _env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
         self.nap = _env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
         self.nap_max = max(self.nap, _env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))

@@ -169,3 +169,15 @@ def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
     empty = CompiledPlan(s, 1, 0, np.dtype(np.float32), "allreduce", ufunc=np.add)
     assert empty.nops == 0
 
+
+@pytest.mark.parametrize("value,says", [("nan", "is not a number"), ("abc", "is not a number"),
+                                        ("inf", "must be a finite number"), ("-inf", "must be a finite number")])
+def test_integer_settings_refuse_what_is_not_a_finite_number(monkeypatch, value, says):
+    from ddl.executor import _env_float, _env_int
+    monkeypatch.setenv("DDL_EARLY_LIMIT", value)
+    with pytest.raises(ddl.Error, match=f"DDL_EARLY_LIMIT={value!r} {says}"):
+        _env_int("DDL_EARLY_LIMIT", 7)
+    monkeypatch.setenv("DDL_EARLY_LIMIT", "4096.9")
+    assert _env_int("DDL_EARLY_LIMIT", 7) == 4096
+    monkeypatch.setenv("DDL_EARLY_LIMIT", "inf")
+    assert _env_float("DDL_EARLY_LIMIT", 7) == float("inf")      # where inf means "never" (stall settings)

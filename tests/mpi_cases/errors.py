@@ -60,6 +60,14 @@ dt = np.float64 if r == 0 else np.float32
 expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(10, dt)),
        "rank 0 called Allreduce with 10 float64", "with 10 float32", "dtype", label="dtype mismatch")
 
+# the byte order is part of the dtype: big-endian int32 summed into little-endian int32 is garbage
+dt = np.dtype(">i4") if r == last else np.dtype("<i4")
+expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4, dt)), ">i4", "int32", "dtype",
+       label="byte-order mismatch")
+same = np.ones(4, ">i4")                         # on every rank: fine
+comm.Allreduce(ddl.IN_PLACE, same)
+chk.ok(np.all(same == p), "big-endian on every rank")
+
 op = ddl.MAX if r == last else ddl.SUM
 expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op=op), "(MAX)", "(SUM)", "op",
        label="op mismatch")
