@@ -73,7 +73,7 @@ def read(path):
     """Parse the file at ``path`` (JSON for ``*.json``, YAML otherwise) into plain Python data."""
     source = str(path)
     try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
+        text = pathlib.Path(path).read_text(encoding="utf-8-sig")    # a byte-order mark is no error
     except FileNotFoundError:
         raise TopologyError("no such file; check the path (give a .yaml or .json topology file)",
                             source) from None
@@ -146,6 +146,8 @@ def _parse_json(text, source):
         return None
     try:
         return json.loads(text, object_pairs_hook=unique)
+    except RecursionError:
+        raise TopologyError("JSON nested too deeply to be a topology", source) from None
     except json.JSONDecodeError as exc:
         raise TopologyError(f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
                             "check commas, quotes and brackets there", source) from None
@@ -225,6 +227,12 @@ def _normalize(name, description, defaults, nodes, links, ranks, where, source):
                                 f"node ids must be unique, rename or remove one")
         label_of[node[0]] = label
         node_list.append(node)
+    kinds = {node_id: kind for node_id, kind, _ in node_list}
+    for (label, _entry), (_id, _kind, attrs) in zip(nodes, node_list):
+        host = attrs.get("host")           # a label of its own, or a node of kind host
+        if host is not None and host in kinds:
+            if kinds[host] != "host":
+                _fail(where, label, f"host {host!r} is a {kinds[host]} node; name a node of kind host")
     latency = defaults.get("latency", DEFAULT_LATENCY)
     link_list = []
     for label, entry in links:
@@ -291,6 +299,9 @@ def _link(entry, default_latency, where, label):
     count = entry.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         _fail(where, label, f"count must be a whole number >= 1 (parallel links), not {count!r}")
+    if count > MAX_REPEATS or not math.isfinite(bandwidth * count):
+        _fail(where, label, f"count {count} of {bandwidth:g} B/s links is more than a fabric can hold; at most "
+                            f"{MAX_REPEATS} parallel links of finite total bandwidth")
     directed = entry.get("directed", False)
     if not isinstance(directed, bool):
         _fail(where, label, f"directed must be true or false, not {directed!r}")
@@ -356,7 +367,10 @@ def _repeat(entry, where, label):
     for combo in itertools.product(*values):
         env = dict(zip(names, combo, strict=True))
         tag = ", ".join(f"{n}={v}" for n, v in env.items())
-        out.append((f"{label} ({tag})", _fill(body, env, where, label)))
+        try:
+            out.append((f"{label} ({tag})", _fill(body, env, where, label)))
+        except RecursionError:
+            _fail(where, label, "the entry is nested too deeply to be a topology entry")
     return out
 
 
@@ -410,6 +424,10 @@ def _hierarchy(tiers, where):
                               f"bandwidth: 150 GB/s}}, {{name: host, count: 16, bandwidth: 100 Gbit/s}}], "
                               f"not {_a(tiers)}")
     parsed = [_tier(entry, k, where) for k, entry in enumerate(tiers)]
+    leaves = math.prod(t.count for t in parsed)
+    if leaves > MAX_REPEATS:
+        _fail(where, "tiers", f"the tiers make {leaves} ranks ({' x '.join(str(t.count) for t in parsed)}); at most "
+                              f"{MAX_REPEATS} (check the counts)")
     nodes = [("tiers", {"id": "spine", "kind": "switch"})]
     links, parents = [], ["spine"]
     for k in reversed(range(len(parsed))):
@@ -565,7 +583,7 @@ def _optional_string(entry, key, where, label=None):
 def _bandwidth(value, where, label, key):
     try:
         result = _signed(parse_bandwidth, value)
-    except ValueError:
+    except (ValueError, OverflowError):
         _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
                             f"{BANDWIDTH_UNITS}, e.g. '25 GB/s' or '100 Gbit/s'")
     if not math.isfinite(result) or result <= 0:
@@ -581,7 +599,7 @@ def _latency(value, where, label):
 def _duration(value, where, label, key):
     try:
         result = _signed(parse_latency, value)
-    except ValueError:
+    except (ValueError, OverflowError):
         _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
                             f"{LATENCY_UNITS}, e.g. '2 us'")
     if not math.isfinite(result) or result < 0:

@@ -18,6 +18,15 @@ BANDWIDTH_UNITS = "B/s kB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s bit/s kbit/s Mbit/s
 LATENCY_UNITS = "ns us µs ms s"
 
 
+def _plain_number(text):
+    """Whether ``text`` is a number without a unit: YAML reads ``1e9`` (no dot) as a string."""
+    try:
+        float(str(text))
+    except ValueError:
+        return False
+    return True
+
+
 def parse_bandwidth(text):
     """``'25 GB/s'`` -> 25e9 bytes/s; ``'100 Gbit/s'`` or ``'100 Gb/s'`` -> 12.5e9. Plain numbers are bytes/s."""
     if isinstance(text, bool):
@@ -25,6 +34,8 @@ def parse_bandwidth(text):
     if isinstance(text, (int, float)):
         return float(text)
     m = _BANDWIDTH_RE.match(str(text))
+    if not m and _plain_number(text):
+        return float(text)
     if not m:
         raise ValueError(f"cannot parse bandwidth {text!r}: write a number and one of {BANDWIDTH_UNITS}, e.g. '25 GB/s'")
     value, prefix, unit = m.groups()
@@ -39,6 +50,8 @@ def parse_latency(text):
     if isinstance(text, (int, float)):
         return float(text)
     m = _LATENCY_RE.match(str(text))
+    if not m and _plain_number(text):
+        return float(text)
     if not m:
         raise ValueError(f"cannot parse latency {text!r}: write a number and one of {LATENCY_UNITS}, e.g. '2 us'")
     return float(m.group(1)) * _LATENCY[m.group(2)]

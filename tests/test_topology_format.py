@@ -581,3 +581,43 @@ def test_input_dict_is_not_modified():
     before = copy.deepcopy(data)
     Topology.from_dict(data)
     assert data == before
+
+
+def test_absurd_sizes_fail_fast_with_the_entry_named(tmp_path):
+    started = time.perf_counter()
+    tiers = {"name": "t", "tiers": [{"name": "gpu", "count": 10 ** 9, "bandwidth": "10 GB/s"},
+                                    {"name": "host", "count": 1, "bandwidth": "1 GB/s"}]}
+    with pytest.raises(TopologyError, match=r"tiers: the tiers make 1000000000 ranks .* at most 1048576"):
+        Topology.from_dict(tiers)
+    with pytest.raises(TopologyError, match=r"links\[0\]: cannot read bandwidth"):
+        Topology.from_dict(pair(bandwidth=10 ** 400))                         # beyond a float
+    with pytest.raises(TopologyError, match=r"links\[0\]: count 1000000000000 of .* at most 1048576"):
+        Topology.from_dict(pair(count=10 ** 12))
+    with pytest.raises(TopologyError, match=r"links\[0\]: count .* finite total bandwidth"):
+        Topology.from_dict(pair(bandwidth=1e305, count=10 ** 6))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(TopologyError, match="nested too deeply"):
+        Topology.load(deep)
+    assert time.perf_counter() - started < 10
+
+
+def test_a_host_attribute_names_a_host_node_or_a_host_of_its_own():
+    data = pair()
+    data["nodes"] += [{"id": "h0", "kind": "host"}]
+    data["nodes"][1]["host"] = "box-7"                                # a machine the file does not model
+    assert Topology.from_dict(data).host_of(0) == "box-7"
+    data["nodes"][1]["host"] = "sw"
+    with pytest.raises(TopologyError, match=r"nodes\[1\]: host 'sw' is a switch node; name a node of kind host"):
+        Topology.from_dict(data)
+    data["nodes"][1]["host"] = "h0"
+    assert Topology.from_dict(data).hosts
+
+
+def test_plain_numbers_yaml_reads_as_text_and_a_json_byte_order_mark(tmp_path):
+    path = tmp_path / "plain.yaml"
+    path.write_text(yaml.safe_dump(pair()).replace("10 GB/s", "1e10"))     # YAML 1.1: 1e10 is a string
+    assert Topology.load(path).links[0].bandwidth == 1e10
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(pair()).encode())
+    assert Topology.load(bom) == Topology.from_dict(pair())
