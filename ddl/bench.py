@@ -228,6 +228,10 @@ def check_plot_path(path):
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in ("png", "pdf", "svg", "jpg", "jpeg"):
         raise Error(f"--plot {path}: write a .png, .pdf, .svg or .jpg file")
+    if os.path.isdir(path):
+        raise Error(f"--plot {path} is a folder: name the file to write in it")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise Error(f"--plot {path}: {'the file' if os.path.exists(path) else f'folder {folder}'} is not writable")
 
 
 # ---- buffers and the expected result -------------------------------------------------------------------

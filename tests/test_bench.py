@@ -279,3 +279,21 @@ def test_pattern_sums_are_exact():
         assert np.array_equal(total, expected(1000, 8, dtype, "sum"))
         assert np.array_equal(np.maximum.reduce([pattern(1000, r, dtype) for r in range(8)]),
                               expected(1000, 8, dtype, "max"))
+
+
+@needs_mpi
+@pytest.mark.parametrize("args,says", [(["--iters", "0"], "--iters"), (["--peers", "nobody"], "nobody")])
+def test_an_option_error_under_mpiexec_is_said_once(topo_file, env, args, says):
+    out = bench([topo_file, *args], env, mpi=3)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if "ddl: error" in line]
+    assert len(lines) == 1 and says in lines[0], out.stderr
+
+
+def test_plot_targets_are_checked_before_the_run(tmp_path):
+    from ddl.bench import check_plot_path
+    folder = tmp_path / "taken.png"
+    folder.mkdir()
+    with pytest.raises(Error, match="is a folder"):
+        check_plot_path(str(folder))
+    check_plot_path(str(tmp_path / "fine.png"))

@@ -125,6 +125,17 @@ def test_draw_errors_are_one_line(tmp_path, bad_files):
     assert proc.returncode == 2 and "missing.yaml" in proc.stderr
 
 
+def test_draw_says_the_file_it_wrote_and_refuses_a_folder_or_a_huge_dpi(tmp_path):
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "picture")
+    assert proc.returncode == 0 and f"wrote {tmp_path / 'picture.png'}" in proc.stdout, proc.stderr
+    assert (tmp_path / "picture.png").read_bytes()[:4] == b"\x89PNG"
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path)
+    assert proc.returncode == 2 and "is a directory" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "x.png", "--dpi", "100000")
+    assert proc.returncode == 2 and "--dpi 100000: from 1 to 1200" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
 @pytest.mark.parametrize("args", [("topo",), ("topo", "validate"), ("topo", "show"), ("topo", "draw")])
 def test_help(args):
     proc = ddl(*args, "--help")

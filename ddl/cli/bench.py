@@ -83,7 +83,27 @@ def under_mpi():
     return any(k in os.environ for k in _MPI_ENV)
 
 
+def _launcher_rank():
+    """This process's rank as the MPI launcher's environment gives it (0 outside a job)."""
+    for key in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
 def cmd_bench(args):
+    """``ddl bench``; a mistake in the options is said once per job, by rank 0: every rank reads the
+    same arguments, so every rank finds it."""
+    try:
+        opts, file = _options(args)
+    except Error:
+        if _launcher_rank() > 0:
+            return 2
+        raise
+    return _bench(args, opts, file)
+
+
+def _options(args):
     from .. import bench
 
     file = args.file or os.environ.get("DDL_TOPOLOGY") or None
@@ -107,6 +127,13 @@ def cmd_bench(args):
                         "--emulate` without mpiexec")
         if not file:
             raise Error("--emulate needs a topology FILE")
+    return opts, file
+
+
+def _bench(args, opts, file):
+    from .. import bench
+
+    if args.emulate:
         return _relaunch_emulated(opts, args.no_rate_check, args.mtu)
     if not under_mpi():
         if file:

@@ -28,6 +28,7 @@ KIND_STYLE = OrderedDict([
     ("switch", ("#9467bd", "o")),
 ])
 OTHER_STYLE = ("#bcbd22", "o")
+MAX_DPI = 1200             # ddl topo draw --dpi: beyond this a raster image of a cluster is gigabytes
 
 
 def register(subparsers):
@@ -58,7 +59,7 @@ def register(subparsers):
     p.add_argument("file", metavar="FILE", help="topology file")
     p.add_argument("-o", "--output", metavar="OUT",
                    help="image to write (default: FILE's name with .png, in the current directory)")
-    p.add_argument("--dpi", type=int, default=120, help="resolution of raster images (default 120)")
+    p.add_argument("--dpi", type=int, default=120, help=f"resolution of raster images (default 120, at most {MAX_DPI})")
     p.set_defaults(func=cmd_draw)
 
 
@@ -569,6 +570,12 @@ def cmd_draw(args):
     directory = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(directory):
         raise Error(f"{output}: directory {directory} does not exist")
+    if os.path.isdir(output):
+        raise Error(f"{output} is a directory: name the image file to write, e.g. {os.path.join(output, 'topo.png')}")
+    if not os.path.splitext(output)[1]:
+        output += ".png"               # what matplotlib would write: say so instead of another name
+    if not 0 < args.dpi <= MAX_DPI:
+        raise Error(f"--dpi {args.dpi}: from 1 to {MAX_DPI}")
     try:
         draw(topo, output, dpi=args.dpi)
     except ValueError as exc:  # unknown image format from matplotlib
