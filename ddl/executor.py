@@ -219,12 +219,12 @@ class CompiledPlan:
                 for m in schedule.members(c):
                     written[m] = True
             # (code, peer, chunk, read buf, read e0, read e1, home buf, home e0, home e1, scratch e0, scratch e1,
-            #  read b0, read b1, home b0, home b1, scratch b0, scratch b1)
+            #  read b0, read b1, home b0, home b1, scratch b0, scratch b1, incoming first: a bool, or
+            #  (start, stop, first) per member of a span whose members differ)
             first = operand_order[base + i] if kind == REDUCE else False
-            if isinstance(first, tuple):   # a span whose members differ: (start, stop, first) per member
+            if isinstance(first, tuple):
                 first = tuple((int(ranges[m, 0]) - e0, int(ranges[m, 1]) - e0, f)
                               for m, f in zip(schedule.members(c), first))
-            # (..., incoming first: a bool, or per member of a span)
             ops.append((code, peer, c, sb, so, so + ln, hb, ho, ho + ln, scr[0], scr[1],
                         so * isz, (so + ln) * isz, ho * isz, (ho + ln) * isz, scr[0] * isz, scr[1] * isz, first))
             need0.append(need)

@@ -26,7 +26,7 @@ from collections import namedtuple
 import yaml
 
 from .errors import TopologyError
-from .units import BANDWIDTH_UNITS, LATENCY_UNITS, parse_bandwidth, parse_latency
+from .units import BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 DEFAULT_LATENCY = 1e-6  # seconds, when neither the link nor the file's defaults give one
@@ -585,7 +585,8 @@ def _bandwidth(value, where, label, key):
         result = _signed(parse_bandwidth, value)
     except (ValueError, OverflowError):
         _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
-                            f"{BANDWIDTH_UNITS}, e.g. '25 GB/s' or '100 Gbit/s'")
+                            f"{BANDWIDTH_UNITS}, e.g. '25 GB/s' or '100 Gbit/s'"
+                            f"{missing_unit_hint(value, f'{value} B/s')}")
     if not math.isfinite(result) or result <= 0:
         _fail(where, label, f"{key} must be positive and finite, got {value!r}; give the rate of one "
                             f"link in one direction, e.g. '25 GB/s'")
@@ -601,7 +602,7 @@ def _duration(value, where, label, key):
         result = _signed(parse_latency, value)
     except (ValueError, OverflowError):
         _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
-                            f"{LATENCY_UNITS}, e.g. '2 us'")
+                            f"{LATENCY_UNITS}, e.g. '2 us'{missing_unit_hint(value, f'{value} s')}")
     if not math.isfinite(result) or result < 0:
         _fail(where, label, f"{key} must be zero or positive and finite, got {value!r}, e.g. '2 us'")
     return result

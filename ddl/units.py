@@ -18,13 +18,16 @@ BANDWIDTH_UNITS = "B/s kB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s bit/s kbit/s Mbit/s
 LATENCY_UNITS = "ns us µs ms s"
 
 
-def _plain_number(text):
-    """Whether ``text`` is a number without a unit: YAML reads ``1e9`` (no dot) as a string."""
+def missing_unit_hint(text, example):
+    """A hint for a number given as text without a unit (``'25'``, or YAML's ``1e9``, which it reads
+    as text for want of a dot): a unit is required in text, so that a forgotten one is caught."""
+    if not isinstance(text, str):
+        return ""
     try:
-        float(str(text))
+        float(text)
     except ValueError:
-        return False
-    return True
+        return ""
+    return f" (a number in quotes, or YAML's 1e9 without a dot, is text: add the unit, e.g. {example})"
 
 
 def parse_bandwidth(text):
@@ -34,10 +37,9 @@ def parse_bandwidth(text):
     if isinstance(text, (int, float)):
         return float(text)
     m = _BANDWIDTH_RE.match(str(text))
-    if not m and _plain_number(text):
-        return float(text)
     if not m:
-        raise ValueError(f"cannot parse bandwidth {text!r}: write a number and one of {BANDWIDTH_UNITS}, e.g. '25 GB/s'")
+        raise ValueError(f"cannot parse bandwidth {text!r}: write a number and one of {BANDWIDTH_UNITS}, e.g. "
+                         f"'25 GB/s'{missing_unit_hint(text, f'{text} B/s')}")
     value, prefix, unit = m.groups()
     scale = _PREFIX[prefix] * (1.0 if unit == "B" else 0.125)
     return float(value) * scale
@@ -50,10 +52,9 @@ def parse_latency(text):
     if isinstance(text, (int, float)):
         return float(text)
     m = _LATENCY_RE.match(str(text))
-    if not m and _plain_number(text):
-        return float(text)
     if not m:
-        raise ValueError(f"cannot parse latency {text!r}: write a number and one of {LATENCY_UNITS}, e.g. '2 us'")
+        raise ValueError(f"cannot parse latency {text!r}: write a number and one of {LATENCY_UNITS}, e.g. "
+                         f"'2 us'{missing_unit_hint(text, f'{text} s')}")
     return float(m.group(1)) * _LATENCY[m.group(2)]
 
 

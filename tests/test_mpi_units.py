@@ -181,3 +181,36 @@ def test_integer_settings_refuse_what_is_not_a_finite_number(monkeypatch, value,
     assert _env_int("DDL_EARLY_LIMIT", 7) == 4096
     monkeypatch.setenv("DDL_EARLY_LIMIT", "inf")
     assert _env_float("DDL_EARLY_LIMIT", 7) == float("inf")      # where inf means "never" (stall settings)
+
+
+def test_a_span_whose_chunks_take_different_operand_orders_is_reduced_chunk_by_chunk():
+    """Rank 1 ships a span of two chunks to rank 2: chunk 0 holds x0 op x1 (rank 0's contribution:
+    it goes first at rank 2), chunk 1 only x1, while rank 2's own chunk 1 already holds x0 op x2 (so
+    its own goes first). One message, two operand orders: the views reduce each chunk its own way."""
+    from ddl.executor import _combine
+    from ddl.verify import verify
+    b = ScheduleBuilder("allreduce", 3, (1, 1))
+    b.transfer(0, 1, 0, reduce=True)
+    b.transfer(0, 2, 1, reduce=True)
+    (span,) = b.runs([0, 1])
+    b.transfer(1, 2, span, reduce=True)
+    b.transfer(2, 0, span)
+    b.transfer(2, 1, span)
+    sched = b.build()
+    verify(sched)
+    starts = sched.dataflow.starts
+    assert sched.operand_order[starts[2] + 1] == (True, False)      # rank 2: reduce chunk 1, then the span
+    plan = CompiledPlan(sched, 2, 4, np.dtype(np.float64), "allreduce_inplace", ufunc=np.maximum)
+    recv = np.array([-0.0, -0.0, 7.0, 7.0])
+    scratch, work = plan.acquire()
+    views = plan.views([None, recv, work, scratch])
+    k = next(k for k, o in enumerate(plan.ops) if o[2] == span and o[0] in (C_REDUCE_EARLY, C_REDUCE_LATE))
+    first, segments = views[k][1], views[k][2]
+    assert first is None and len(segments) == 2
+    incoming0, local0 = np.zeros(2), recv[:2].copy()
+    segments[0][0][...] = incoming0   # the incoming chunk 0 goes first ...
+    segments[1][1][...] = 5.0         # ... the incoming chunk 1 second
+    _combine(np.maximum, views[k])
+    want = np.maximum(incoming0, local0)
+    assert want.tobytes() != np.maximum(local0, incoming0).tobytes()    # +0.0 and -0.0: the order shows
+    assert recv.tobytes() == np.concatenate([want, [7.0, 7.0]]).tobytes()

@@ -614,9 +614,12 @@ def test_a_host_attribute_names_a_host_node_or_a_host_of_its_own():
     assert Topology.from_dict(data).hosts
 
 
-def test_plain_numbers_yaml_reads_as_text_and_a_json_byte_order_mark(tmp_path):
+def test_numbers_yaml_reads_as_text_say_so_and_a_json_byte_order_mark_is_no_error(tmp_path):
     path = tmp_path / "plain.yaml"
     path.write_text(yaml.safe_dump(pair()).replace("10 GB/s", "1e10"))     # YAML 1.1: 1e10 is a string
+    with pytest.raises(TopologyError, match=r"YAML's 1e9 without a dot, is text: add the unit, e.g. 1e10 B/s"):
+        Topology.load(path)
+    path.write_text(yaml.safe_dump(pair()).replace("10 GB/s", "1e10 B/s"))
     assert Topology.load(path).links[0].bandwidth == 1e10
     bom = tmp_path / "bom.json"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(pair()).encode())
