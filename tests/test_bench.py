@@ -282,11 +282,12 @@ def test_pattern_sums_are_exact():
 
 
 @needs_mpi
-@pytest.mark.parametrize("args,says", [(["--iters", "0"], "--iters"), (["--peers", "nobody"], "nobody")])
+@pytest.mark.parametrize("args,says", [(["--iters", "0"], "--iters"), (["--peers", "nobody"], "nobody"),
+                                       (["--dtype", "float99"], "float99"), (["--bogus"], "--bogus")])
 def test_an_option_error_under_mpiexec_is_said_once(topo_file, env, args, says):
     out = bench([topo_file, *args], env, mpi=3)
     assert out.returncode != 0
-    lines = [line for line in out.stderr.splitlines() if "ddl: error" in line]
+    lines = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(lines) == 1 and says in lines[0], out.stderr
 
 

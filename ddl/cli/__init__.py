@@ -16,8 +16,25 @@ from ..errors import Error
 COMMANDS = ("topo", "plan", "bench", "emulate")
 
 
+def launcher_rank():
+    """This process's rank as the MPI launcher's environment gives it (0 outside a job)."""
+    for key in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Under mpiexec every rank reads the same arguments: a mistake in them is said once, by rank 0."""
+
+    def error(self, message):
+        if launcher_rank() > 0:
+            self.exit(2)
+        super().error(message)
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="ddl", description="Topology-aware collective communication.")
+    parser = _Parser(prog="ddl", description="Topology-aware collective communication.")
     parser.add_argument("--version", action="version", version=f"ddl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:

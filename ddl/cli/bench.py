@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from ..errors import Error
+from . import launcher_rank
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -83,21 +84,13 @@ def under_mpi():
     return any(k in os.environ for k in _MPI_ENV)
 
 
-def _launcher_rank():
-    """This process's rank as the MPI launcher's environment gives it (0 outside a job)."""
-    for key in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
-
-
 def cmd_bench(args):
     """``ddl bench``; a mistake in the options is said once per job, by rank 0: every rank reads the
     same arguments, so every rank finds it."""
     try:
         opts, file = _options(args)
     except Error:
-        if _launcher_rank() > 0:
+        if launcher_rank() > 0:
             return 2
         raise
     return _bench(args, opts, file)
