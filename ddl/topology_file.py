@@ -130,6 +130,12 @@ def _parse_yaml(text, source):
         raise TopologyError(f"YAML syntax error{where}: {problem}; check the indentation, colons and "
                             f"brackets there (quote strings that contain ': ', '#', '{{' or '[')",
                             source) from None
+    except yaml.reader.ReaderError as exc:    # a character YAML does not allow, at a position, not a line
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        char = chr(exc.character) if isinstance(exc.character, int) else exc.character
+        raise TopologyError(f"character {char!r} at line {line}, column {column} is not allowed in "
+                            f"YAML ({exc.reason}); remove it or save the file as plain text", source) from None
     except yaml.YAMLError as exc:
         raise TopologyError(f"YAML error: {exc}", source) from None
 

@@ -624,3 +624,10 @@ def test_numbers_yaml_reads_as_text_say_so_and_a_json_byte_order_mark_is_no_erro
     bom = tmp_path / "bom.json"
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(pair()).encode())
     assert Topology.load(bom) == Topology.from_dict(pair())
+
+
+def test_a_character_yaml_refuses_is_named_with_its_line(tmp_path):
+    path = tmp_path / "nul.yaml"
+    path.write_bytes(b"name: x\nnodes: []\x00\n")
+    with pytest.raises(TopologyError, match=r"nul.yaml: character '\\x00' at line 2, column 10 is not allowed in YAML"):
+        Topology.load(path)
