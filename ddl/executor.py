@@ -86,7 +86,7 @@ import numpy as np
 
 from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk_locations, read_location
 from .errors import Error, StallError
-from .schedule import RECV, REDUCE, SEND
+from .schedule import RECV, SEND
 
 # compiled op codes
 C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
@@ -171,8 +171,7 @@ class CompiledPlan:
 
         program = schedule.programs[rank]
         deps = schedule.dependencies[rank]
-        base = int(schedule.dataflow.starts[rank]) if program else 0
-        operand_order = schedule.operand_order if any(op.kind == REDUCE for op in program) else None
+        operand_order = schedule.operand_order_of(rank)
         keep = [i for i, op in enumerate(program) if ranges[op.chunk, 1] > ranges[op.chunk, 0]]
         new_index = {old: k for k, old in enumerate(keep)}
         written = [False] * nchunks
@@ -221,7 +220,7 @@ class CompiledPlan:
             # (code, peer, chunk, read buf, read e0, read e1, home buf, home e0, home e1, scratch e0, scratch e1,
             #  read b0, read b1, home b0, home b1, scratch b0, scratch b1, incoming first: a bool, or
             #  (start, stop, first) per member of a span whose members differ)
-            first = operand_order[base + i] if kind == REDUCE else False
+            first = operand_order[i]
             if isinstance(first, tuple):
                 first = tuple((int(ranges[m, 0]) - e0, int(ranges[m, 1]) - e0, f)
                               for m, f in zip(schedule.members(c), first))

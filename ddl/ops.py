@@ -1,10 +1,12 @@
 """Reduction operations and the dtypes they accept.
 
 ``ddl.SUM PROD MIN MAX AVG BAND BOR BXOR LAND LOR LXOR`` are :class:`Op` objects. Each reduces with a
-numpy ufunc, in place (``ufunc(local, incoming, out=local)``), so no temporary is created per chunk. All
-of them are commutative and associative on exact types; on floats the *order* of reduction is a fixed function of
-the schedule, so results are bitwise identical on every rank and every run (``a + b == b + a``
-bitwise in IEEE arithmetic, which is all the schedules rely on).
+numpy ufunc, in place (``ufunc(local, incoming, out=local)``, or the operands the other way round), so
+no temporary is created per chunk. All of them are commutative and associative on exact types; on
+floats the *order* of reduction, operands included, is a fixed function of the schedule, so results
+are bitwise identical on every rank and every run. Operand order counts even where values commute:
+``max(-0.0, +0.0)`` and ``max(+0.0, -0.0)`` differ in sign, and a sum of two NaNs keeps the first's
+sign and payload (:attr:`ddl.schedule.Schedule.operand_order` fixes it).
 
 Dtypes: every numpy integer (``int8`` .. ``int64``, ``uint8`` .. ``uint64``), ``bool``, ``float16``
 ``float32`` ``float64`` ``longdouble``, ``complex64`` ``complex128``, and the ml_dtypes floats

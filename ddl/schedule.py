@@ -209,6 +209,14 @@ class Schedule:
         from .verify import operand_order
         return operand_order(self)
 
+    def operand_order_of(self, rank):
+        """:attr:`operand_order` of ``rank``'s program, op by op (worked out only where it reduces)."""
+        program = self.programs[rank]
+        if not any(op.kind == REDUCE for op in program):
+            return [False] * len(program)
+        start = int(self.dataflow.starts[rank])
+        return self.operand_order[start:start + len(program)]
+
     def bytes_sent(self, nbytes):
         """Bytes each rank sends for a buffer of ``nbytes`` (by chunk fractions)."""
         frac = self.chunk_fractions

@@ -236,9 +236,8 @@ def _normalize(name, description, defaults, nodes, links, ranks, where, source):
     kinds = {node_id: kind for node_id, kind, _ in node_list}
     for (label, _entry), (_id, _kind, attrs) in zip(nodes, node_list):
         host = attrs.get("host")           # a label of its own, or a node of kind host
-        if host is not None and host in kinds:
-            if kinds[host] != "host":
-                _fail(where, label, f"host {host!r} is a {kinds[host]} node; name a node of kind host")
+        if host in kinds and kinds[host] != "host":
+            _fail(where, label, f"host {host!r} is a {kinds[host]} node; name a node of kind host")
     latency = defaults.get("latency", DEFAULT_LATENCY)
     link_list = []
     for label, entry in links:

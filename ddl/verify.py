@@ -57,10 +57,7 @@ def verify(schedule, stop=None):
     ``stop``: a callable asked every 65536 operations; when it returns true the proof is abandoned
     with :class:`Abandoned` (a planner proving a schedule before it knows whether it will pick it)."""
     with gc_paused():                  # a value per reduction: millions of small tuples, no cycles
-        values = _Values()
-        state = _initial_state(schedule, values)
-        order = [False] * schedule.nops
-        reductions = _execute(schedule, state, values, stop, order)
+        values, state, order, reductions = _symbolic_run(schedule, stop)
         _check_final(schedule, state, values)
     schedule.__dict__.setdefault("operand_order", order)     # Schedule.operand_order, already worked out
     return Verdict(schedule.collective, schedule.nranks, schedule.nchunks, schedule.nops, reductions)
@@ -72,10 +69,16 @@ def operand_order(schedule):
     for a reduce of a span whose members differ. Executors follow it; use :attr:`Schedule.operand_order`,
     which caches it (and which :func:`verify` fills as it goes)."""
     with gc_paused():
-        values = _Values()
-        order = [False] * schedule.nops
-        _execute(schedule, _initial_state(schedule, values), values, None, order)
-    return order
+        return _symbolic_run(schedule)[2]
+
+
+def _symbolic_run(schedule, stop=None):
+    """``(values, final state, operand order, number of reductions)`` of running ``schedule`` on symbols."""
+    values = _Values()
+    state = _initial_state(schedule, values)
+    order = [False] * schedule.nops
+    reductions = _execute(schedule, state, values, order, stop)
+    return values, state, order, reductions
 
 
 def check(schedule):
@@ -136,7 +139,7 @@ def _describe(schedule, rank, index):
     return f"rank {rank} op {index} ({kind} {what} {direction} rank {peer})"
 
 
-def _execute(schedule, state, values, stop=None, order=None):
+def _execute(schedule, state, values, order, stop=None):
     """Run the schedule on symbols; returns the number of reductions. ``order``: a list (one entry per
     operation) that receives every reduce's operand order (see :func:`operand_order`)."""
     df = schedule.dataflow
@@ -167,7 +170,7 @@ def _execute(schedule, state, values, stop=None, order=None):
                 firsts = []
                 for m, incoming in zip(members[c], inflight[g]):
                     reductions += _land(row, m, incoming, kind[g] == reduce, masks, combine, describe, g, firsts)
-                if firsts and order is not None:
+                if firsts:
                     order[g] = firsts[0] if len(set(firsts)) == 1 else tuple(firsts)
         elif kind[g] == send:
             value = row[c]
@@ -178,9 +181,7 @@ def _execute(schedule, state, values, stop=None, order=None):
             local, incoming = row[c], inflight[g]
             if local is None or masks[local] & masks[incoming]:
                 _land(row, c, incoming, True, masks, combine, describe, g)   # raises
-            row[c], first = combine(local, incoming)
-            if order is not None:
-                order[g] = first
+            row[c], order[g] = combine(local, incoming)
             reductions += 1
         else:
             row[c] = inflight[g]

@@ -260,6 +260,8 @@ def test_operand_order_puts_the_lowest_contributor_first():
               for r in range(4)]
     assert firsts == [[False, False], [False, True], [True, True], [True, False]]
     assert operand_order(sched) == order               # the same from scratch
+    assert all(sched.operand_order_of(r) == [order[starts[r] + i] for i in range(len(sched.programs[r]))]
+               for r in range(4))
     assert not any(order[starts[r] + i] for r in range(4)
                    for i, op in enumerate(sched.programs[r]) if op.kind != "reduce")
 

@@ -109,9 +109,10 @@ one count, which fits the largest of them; at 256 ranks in three tiers that was 
 the bound, where the stages kept allow three, 1.037). More waves are more messages, which the
 simulator charges nothing for unless the file gives a ``message_cost``, and on the emulated
 one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster than eight ran 7%
-slower (544-558 ms against 507-515 ms, two paired runs). So a variant with more operations replaces the one kept so far only where it is
-predicted ``MIN_VARIANT_GAIN`` (1%) faster; one with no more (fewer tiers, or the exchange: as many
-messages as the rings) wherever it is faster, as is any variant where the messages are charged.
+slower (544-558 ms against 507-515 ms, two paired runs). So a variant with more operations replaces
+the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster; one with no more
+(fewer tiers, or the exchange: as many messages as the rings) wherever it is faster, as is any variant
+where the messages are charged.
 """
 import math
 from itertools import combinations

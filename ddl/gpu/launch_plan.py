@@ -216,8 +216,7 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
     deps = schedule.dependencies[rank]
     matches = schedule.matches[rank]
     levels = transfer_levels(schedule)[rank]
-    base = int(schedule.dataflow.starts[rank]) if program else 0
-    operand_order = schedule.operand_order if any(op.kind == REDUCE for op in program) else None
+    operand_order = schedule.operand_order_of(rank)
 
     written = [False] * schedule.nchunks
     copies = [(sb, so * itemsize, db, do * itemsize, n * itemsize) for sb, so, db, do, n in precopies]
@@ -258,7 +257,7 @@ def launch_plan(schedule, rank, count, itemsize, layout="allreduce_inplace"):
             st["transfers"].append((key, "recv", peer, SCRATCH_BUF, slot, nbytes, c, i, True))
             soft = _soft(program, deps, i)
             k = st["open"].get(c)
-            first = operand_order[base + i]      # the incoming operand first: only as a chain's first input
+            first = operand_order[i]             # the incoming operand first: only as a chain's first input
             if isinstance(first, tuple):         # a span whose members differ: a reduction per member
                 for m, f in zip(schedule.members(c), first):
                     off = (int(ranges[m, 0]) - e0) * itemsize
