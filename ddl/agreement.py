@@ -54,6 +54,7 @@ from .errors import MismatchError
 
 COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
 COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier"}
+REFUSED = 16   # collective code + REFUSED: a call whose arguments its rank refused (see refusal)
 CHECK_MODES = ("always", "new", "off")
 _MASK62 = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -118,6 +119,22 @@ class Signature:
         return vec
 
 
+def refusal(collective, topology_digest, mode="always"):
+    """The signature a rank posts for a ``collective`` call whose arguments it refused (a read-only
+    buffer, AVG on integers, a plan it could not make): the other ranks, which called it correctly and
+    wait in its agreement, then raise :class:`ddl.MismatchError` at once, naming this rank, instead of a
+    StallError once ``stall_timeout`` has passed. Ranks that all refused the same collective agree and
+    each raises its own error."""
+    sig = Signature("barrier", 0, None, None, 0, 0, topology_digest, mode)
+    sig.vector[_COLL] = COLLECTIVE_CODES[collective] + REFUSED
+    sig.base = digest62(*sig.vector[1:].tolist())
+    return sig
+
+
+def _refused(vec):
+    return int(vec[_COLL]) > REFUSED
+
+
 def check_buffer(sig_hash):
     """int64[4]: ``[h, -h]`` to send and two slots for the MAX-reduced result."""
     buf = np.empty(4, np.int64)
@@ -134,6 +151,9 @@ def agreed(buf):
 def describe(vec):
     """Human form of one signature vector: ``Allreduce with 1000 float32 (SUM)``."""
     from .ops import op_from_code
+    if _refused(vec):
+        name = COLLECTIVE_NAMES.get(int(vec[_COLL]) - REFUSED, "a collective")
+        return f"{name} with arguments it refused (its own error says why)"
     name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
     if int(vec[_COLL]) == COLLECTIVE_CODES["barrier"]:
         return name
@@ -173,17 +193,18 @@ def mismatch_error(table, seq, rank):
     for r, row in enumerate(table):
         groups.setdefault(tuple(int(x) for x in row), []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+    refused = any(_refused(v) for v in groups)   # then what differs is that: no field list, no digests
     parts = []
     for vec, ranks in ordered:
         text = describe(vec)
         if len({v[_SEQ] for v in groups}) > 1:
             text += f" as its ddl collective #{vec[_SEQ]}"
-        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1:
+        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1 and not refused:
             text += f" [schedule {vec[_SCHED]:016x}, topology {vec[_TOPO]:016x}]"
         parts.append(f"{format_ranks(ranks)} called {text}")
     differs = []
     rows = list(groups)
-    for idx, label in _FIELDS:
+    for idx, label in () if refused else _FIELDS:
         if len({row[idx] for row in rows}) > 1 and label not in differs:
             differs.append(label)
     msg = (f"ranks disagree on ddl collective #{seq} (reported on rank {rank}): " + "; ".join(parts)

@@ -23,7 +23,8 @@ bitwise identical on every rank and every run: the reduction order is a fixed fu
 Safety nets (see :mod:`ddl.agreement` and :mod:`ddl.executor`): before its data moves, every collective
 is checked across ranks (a mismatch raises :class:`ddl.MismatchError` on every rank, naming what
 differs and where; through a shared-memory board when all ranks share a node, else one
-``MPI_Iallreduce`` of a signature hash); a collective that makes no progress for ``stall_warning``
+``MPI_Iallreduce`` of a signature hash; a call one rank refuses for its arguments enters the check as a
+refusal, so the others raise MismatchError at once instead of waiting for it); a collective that makes no progress for ``stall_warning``
 seconds prints which ranks and steps it waits for, and after ``stall_timeout`` raises
 :class:`ddl.StallError` naming them; a communicator that raised StallError refuses further calls.
 A rank that dies: with ``python -m mpi4py`` its uncaught exception calls ``MPI_Abort`` and mpiexec
@@ -48,16 +49,17 @@ in its first ``n`` elements, as in MPI.
 
 Not thread safe: call a Communicator from one thread.
 """
+import functools
 import math
 import operator
 import os
 
 import numpy as np
 
-from .agreement import CHECK_MODES, ShmBoard, Signature, digest62, format_ranks
+from .agreement import CHECK_MODES, ShmBoard, Signature, digest62, format_ranks, refusal
 from .buffers import IN_PLACE, is_in_place, parse_buffer
 from .gpu.buffers import is_device_buffer
-from .errors import Error, MismatchError, PlanError
+from .errors import Error, MismatchError, PlanError, StallError
 from .executor import CompiledPlan, Engine, Execution, _env_float, _env_int
 from .ops import SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
@@ -150,6 +152,25 @@ def _functional(array):
 
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
           "broadcast": "Bcast"}
+
+
+def _announced(collective):
+    """Decorates a host collective's start: when this rank refuses the call (a :class:`ddl.Error` before
+    it entered the engine), the refusal goes through the agreement first (:func:`ddl.agreement.refusal`),
+    so the ranks that called correctly raise MismatchError naming this rank at once instead of waiting
+    ``stall_timeout`` for it; then this rank raises its own error."""
+    def decorate(start):
+        @functools.wraps(start)
+        def announcing(self, *args, **kwargs):
+            seq = self._seq
+            try:
+                return start(self, *args, **kwargs)
+            except Error as exc:
+                if self._seq == seq:
+                    self._announce_refusal(collective, exc)
+                raise
+        return announcing
+    return decorate
 
 
 class Communicator:
@@ -465,6 +486,27 @@ class Communicator:
         self._engine.start(ex, blocking)
         return ex
 
+    def _announce_refusal(self, collective, exc):
+        """Enter this rank's refusal of a ``collective`` call (``exc``) in the agreement and wait for it
+        (check="always" only: in the other modes the others may not check this call at all). The
+        outcome is added to ``exc`` as a note when the other ranks did not all refuse it too."""
+        if self.size == 1 or self.check != "always" or self._freed or self._engine.broken is not None:
+            return
+        sig = refusal(collective, self._topology_digest, self.check)
+        seq = self._seq
+        self._seq = seq + 1
+        ex = Execution(None, seq, sig, True, f"{_LABEL[collective]} (refused)", None, None)
+        ex.sig_hash = sig.hash(seq)
+        ex.salt = sig.base
+        try:
+            self._engine.start(ex)
+            self._engine.wait(ex)
+        except MismatchError:
+            exc.add_note(f"ddl: the other ranks were told; those that called correctly raise MismatchError "
+                         f"for ddl collective #{seq}")
+        except StallError as stall:
+            exc.add_note(f"ddl: announcing this to the other ranks stalled: {stall}")
+
     def _reduction_args(self, sendbuf, recvbuf, op, what="Allreduce"):
         op = resolve_op(op)
         if is_in_place(sendbuf):
@@ -478,6 +520,7 @@ class Communicator:
             return None, recv, op  # Allreduce(buf, buf): in place
         return send, recv, op
 
+    @_announced("allreduce")
     def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False):
         # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
         # The arrays must still be where they were and as large (ndarray.resize moves them), and recvbuf
@@ -506,6 +549,7 @@ class Communicator:
                 _where(recvbuf), None if send is None else _where(sendbuf))
         return ex
 
+    @_announced("reduce_scatter")
     def _reduce_scatter_start(self, sendbuf, recvbuf, op, blocking=False):
         send, recv, op = self._reduction_args(sendbuf, recvbuf, op, "Reduce_scatter_block")
         p = self.size
@@ -519,6 +563,7 @@ class Communicator:
                         f"elements for a recvbuf of {recv.size}, got {send.size}")
         return self._start("reduce_scatter", send, recv, send.size, recv.dtype, op, 0, recv.size, blocking)
 
+    @_announced("allgather")
     def _allgather_start(self, sendbuf, recvbuf, blocking=False):
         p = self.size
         recv = parse_buffer(recvbuf, "recvbuf", writable=True)
@@ -537,6 +582,7 @@ class Communicator:
             raise Error("Allgather: sendbuf and recvbuf are the same memory; use ddl.IN_PLACE")
         return self._start("allgather", send, recv, recv.size, recv.dtype, None, 0, send.size, blocking)
 
+    @_announced("broadcast")
     def _bcast_start(self, buf, root, blocking=False):
         root = _root(root, self.size)
         b = parse_buffer(buf, "buf", writable=True)
@@ -603,17 +649,15 @@ class Communicator:
 
     def Bcast(self, buf, root=0, stream=None):
         """Every rank's ``buf`` gets ``root``'s."""
-        root = _root(root, self.size)
         dev = self._device_for(buf)
         if dev is not None:
-            return dev.Bcast(buf, root=root, stream=stream)
+            return dev.Bcast(buf, root=_root(root, self.size), stream=stream)
         self._engine.wait(self._bcast_start(buf, root, blocking=True))
 
     def Ibcast(self, buf, root=0, stream=None):
-        root = _root(root, self.size)
         dev = self._device_for(buf)
         if dev is not None:
-            return dev.Ibcast(buf, root=root, stream=stream)
+            return dev.Ibcast(buf, root=_root(root, self.size), stream=stream)
         return Request(self._bcast_start(buf, root), self._engine)
 
     def Barrier(self):

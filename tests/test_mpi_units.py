@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ddl
-from ddl.agreement import Signature, describe, format_ranks, mismatch_error
+from ddl.agreement import Signature, describe, format_ranks, mismatch_error, refusal
 from ddl.buffers import IN_PLACE, is_in_place, parse_buffer, resolve_dtype
 from ddl.executor import (C_RECV_DIRECT, C_RECV_LATE, C_RECV_SCRATCH, C_REDUCE_EARLY, C_REDUCE_LATE, C_SEND,
                           CompiledPlan, TagSpace)
@@ -111,6 +111,19 @@ def test_mismatch_message_names_ranks_and_fields():
     assert describe(Signature("broadcast", 5, np.dtype(np.int8), None, 2, 0, 0).vector) == "Bcast with 5 int8 (root 2)"
     assert good.hash(4) != bad.hash(4) and good.hash(4) != good.hash(5) and 0 <= good.hash(7) < 2 ** 62
 
+
+def test_a_refused_call_is_named_without_field_noise():
+    good = Signature("allreduce", 4, np.dtype(np.float64), ddl.SUM, 0, 11, 22)
+    refused = refusal("allreduce", 22)
+    err = mismatch_error([good.with_seq(7), refused.with_seq(7), good.with_seq(7)], 7, rank=2)
+    text = str(err)
+    assert "rank 1 called Allreduce with arguments it refused" in text
+    assert "ranks 0, 2 called Allreduce with 4 float64 (SUM)" in text
+    assert "differs in" not in text and "schedule" not in text, text
+    # ranks that refused the same collective agree (each then raises its own error); other calls do not
+    assert refusal("allreduce", 22).hash(7) == refused.hash(7)
+    assert len({refused.hash(7), refusal("broadcast", 22).hash(7), good.hash(7)}) == 3
+    assert describe(refusal("broadcast", 22).vector).startswith("Bcast with arguments it refused")
 
 def test_tag_space_fits_tag_ub():
     for ub in (32767, 2 ** 21 - 1, 2 ** 29 - 1, 2 ** 31 - 1):

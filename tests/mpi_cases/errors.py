@@ -163,6 +163,33 @@ buf = np.arange(10.0)
 expect(ddl.Error, lambda: comm.Allreduce(buf[:6], buf[4:]), "overlap", label="overlapping buffers")
 still_works("local errors")
 
+# ---- an argument error on ONE rank: it raises its own error, the others MismatchError at once (not a
+# StallError once stall_timeout has passed), and the communicator stays usable -------------------------
+def one_rank_refuses(label, odd, call_ok, call_bad, own_words, collective="Allreduce"):
+    if r == odd:
+        text = expect(ddl.Error, call_bad, *own_words, label=f"{label} (the refusing rank)")
+        chk.ok(text is not None and not text.startswith("ranks disagree"), f"{label}: the refusing rank got {text}")
+    else:
+        expect(ddl.MismatchError, call_ok, f"rank {odd} called {collective} with arguments it refused",
+               label=f"{label} (the others)")
+    still_works(label)
+
+
+ro = np.ones(4)
+ro.flags.writeable = False
+one_rank_refuses("read-only recvbuf on one rank", last, lambda: comm.Allreduce(np.ones(4), np.empty(4)),
+                 lambda: comm.Allreduce(np.ones(4), ro), ["read-only"])
+big_ro = np.ones(1 << 16)
+big_ro.flags.writeable = False
+one_rank_refuses("read-only large recvbuf on one rank", 0, lambda: comm.Iallreduce(np.ones(1 << 16), np.empty(1 << 16)).Wait(),
+                 lambda: comm.Iallreduce(np.ones(1 << 16), big_ro), ["read-only"])
+one_rank_refuses("AVG on ints on one rank", 0, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op=ddl.AVG),
+                 lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4, np.int32), op=ddl.AVG), ["AVG", "int32"])
+one_rank_refuses("bad root on one rank", last, lambda: comm.Bcast(np.ones(3), root=0),
+                 lambda: comm.Bcast(np.ones(3), root=p), [f"root {p}"], collective="Bcast")
+one_rank_refuses("allgather sizes on one rank", last, lambda: comm.Allgather(np.ones(3), np.empty(3 * p)),
+                 lambda: comm.Allgather(np.ones(3), np.empty(3 * p + 1)), ["size*n"], collective="Allgather")
+
 # ---- planners other than ddl's own: their schedules are proven before they run ---------------------------
 from ddl.planner import Planner, flat_topology  # noqa: E402
 from ddl.schedule import Schedule  # noqa: E402
