@@ -118,7 +118,32 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         return super().construct_mapping(node, deep)
 
 
+MAX_YAML_DEPTH = 100   # a topology nests a handful of levels; libyaml's composer recurses (and crashes) on 10^5
+
+
+def _check_yaml_depth(text, source):
+    """Refuse YAML nested deeper than MAX_YAML_DEPTH before it is composed: libyaml builds documents
+    recursively in C, and ``[[[[...]]]]`` 100000 deep overflows the stack (a segfault, not an error).
+    The event stream is flat, so walking it is safe, and costs a fraction of the load. Syntax errors
+    are left to the load, which reports them with their line."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_UniqueKeyLoader):
+            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    mark = event.start_mark
+                    raise TopologyError(f"YAML nested more than {MAX_YAML_DEPTH} levels deep at line {mark.line + 1}, "
+                                        f"column {mark.column + 1}; a topology nests a few levels: check the "
+                                        f"brackets and dashes there", source)
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        pass
+
+
 def _parse_yaml(text, source):
+    _check_yaml_depth(text, source)
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.MarkedYAMLError as exc:

@@ -599,6 +599,13 @@ def test_absurd_sizes_fail_fast_with_the_entry_named(tmp_path):
     deep.write_text("[" * 100000 + "]" * 100000)
     with pytest.raises(TopologyError, match="nested too deeply"):
         Topology.load(deep)
+    # YAML as deep crashed the process inside libyaml; now the entry's line is named, flow or block style
+    for i, text in enumerate(("name: x\nnodes: " + "[" * 100000 + "]" * 100000,
+                              "name: x\nnodes:\n" + "- " * 100000 + "a")):
+        deep = tmp_path / f"deep{i}.yaml"
+        deep.write_text(text)
+        with pytest.raises(TopologyError, match=r"deep\d.yaml: YAML nested more than 100 levels deep at line \d"):
+            Topology.load(deep)
     assert time.perf_counter() - started < 10
 
 
