@@ -186,6 +186,9 @@ _FIELDS = ((_SEQ, "call sequence (a rank skipped or added a ddl collective)"), (
            (_TOPO, "topology"), (_MODE, "check mode"))
 
 
+_CALL_FIELDS = (_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT)
+
+
 def mismatch_error(table, seq, rank):
     """:class:`ddl.MismatchError` built from the gathered signature vectors (``table[r]`` = rank r's)."""
     table = np.asarray(table)
@@ -193,18 +196,22 @@ def mismatch_error(table, seq, rank):
     for r, row in enumerate(table):
         groups.setdefault(tuple(int(x) for x in row), []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-    refused = any(_refused(v) for v in groups)   # then what differs is that: no field list, no digests
+    rows = list(groups)
+    refused = any(_refused(v) for v in rows)   # then what differs is that: no field list, no digests
+    # The schedule follows from the call (its size class, root ...): it is news only where the calls agree.
+    call_differs = any(len({row[idx] for row in rows}) > 1 for idx in _CALL_FIELDS)
     parts = []
     for vec, ranks in ordered:
         text = describe(vec)
         if len({v[_SEQ] for v in groups}) > 1:
             text += f" as its ddl collective #{vec[_SEQ]}"
-        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1 and not refused:
+        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1 and not (refused or call_differs):
             text += f" [schedule {vec[_SCHED]:016x}, topology {vec[_TOPO]:016x}]"
         parts.append(f"{format_ranks(ranks)} called {text}")
     differs = []
-    rows = list(groups)
     for idx, label in () if refused else _FIELDS:
+        if idx == _SCHED and call_differs:
+            continue
         if len({row[idx] for row in rows}) > 1 and label not in differs:
             differs.append(label)
     msg = (f"ranks disagree on ddl collective #{seq} (reported on rank {rank}): " + "; ".join(parts)

@@ -116,6 +116,14 @@ def flat_view(arr, what):
                 f"contiguous buffers: pass numpy.ascontiguousarray(...) or a contiguous slice")
 
 
+def _whole(value, what, name):
+    """An integer of a buffer spec; a float such as 2.7 or a string is refused, not truncated or let
+    through to a ValueError."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise Error(f"{what}: the {name} must be an integer, got {value!r}")
+
+
 def split_spec(spec, what, not_a_buffer):
     """An mpi4py buffer spec -> ``(buf, count or None, displacement, dtype or None)``.
 
@@ -139,8 +147,8 @@ def split_spec(spec, what, not_a_buffer):
         if isinstance(count, (tuple, list)):  # mpi4py's (count, displacement)
             if len(count) != 2:
                 raise Error(f"{what}: count must be an int or (count, displacement)")
-            count, displ = int(count[0]), int(count[1])
-        count = None if count is None else int(count)
+            count, displ = _whole(count[0], what, "count"), _whole(count[1], what, "displacement")
+        count = None if count is None else _whole(count, what, "count")
     else:
         raise Error(f"{what} spec must be buf, [buf, count], [buf, dtype] or [buf, count, dtype]; "
                     f"got a {type(spec).__name__} of length {len(spec)}")

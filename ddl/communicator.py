@@ -61,8 +61,9 @@ from .buffers import IN_PLACE, is_in_place, parse_buffer
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import CompiledPlan, Engine, Execution, _env_float, _env_int
-from .ops import SUM, check_op_dtype, finish_average, resolve_op
+from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
+from .units import parse_size
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
 
@@ -141,13 +142,22 @@ def _inline_input(layout, send, recv, count, itemsize, root, rank, size, limit):
 
 
 def _functional(array):
-    """``(input, output, result)`` of the functional API: a contiguous input array, a new output of its
-    shape, and what returns the result (a scalar for a scalar)."""
-    arr = np.asarray(array)
-    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
-        arr = np.ascontiguousarray(arr)
-    out = np.empty_like(arr)
+    """``(input, output, result)`` of the functional API: a C-ordered input array, a new output of its
+    shape, and what returns the result (a scalar for a scalar). Element-wise, unlike the buffer API,
+    which reduces memory as it lies: a Fortran-ordered array on one rank and a C-ordered one on
+    another must still meet element by element."""
+    arr = _numbers(array, "allreduce")
+    out = np.empty(arr.shape, arr.dtype)
     return arr, out, (out.item if np.isscalar(array) else lambda: out)
+
+
+def _numbers(array, what):
+    """``array`` as a C-ordered numpy array, or a :class:`ddl.Error` saying why it is none (a ragged
+    list, say), rather than numpy's ValueError."""
+    try:
+        return np.ascontiguousarray(array)
+    except (TypeError, ValueError) as exc:
+        raise Error(f"{what}: the argument is not an array of numbers ({exc})") from None
 
 
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
@@ -155,17 +165,19 @@ _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "a
 
 
 def _announced(collective):
-    """Decorates a host collective's start: when this rank refuses the call (a :class:`ddl.Error` before
-    it entered the engine), the refusal goes through the agreement first (:func:`ddl.agreement.refusal`),
-    so the ranks that called correctly raise MismatchError naming this rank at once instead of waiting
-    ``stall_timeout`` for it; then this rank raises its own error."""
+    """Decorates a host collective's entry: when this rank refuses the call (any exception before the
+    call entered the engine: a :class:`ddl.Error`, or numpy's own on an argument it cannot read), the
+    refusal goes through the agreement first (:func:`ddl.agreement.refusal`), so the ranks that called
+    correctly raise MismatchError naming this rank at once instead of waiting ``stall_timeout`` for it,
+    and the call sequences stay in step; then this rank raises its own error. Nested entries announce
+    once: the inner one has taken the call's sequence number by the time the outer one sees it."""
     def decorate(start):
         @functools.wraps(start)
         def announcing(self, *args, **kwargs):
             seq = self._seq
             try:
                 return start(self, *args, **kwargs)
-            except Error as exc:
+            except Exception as exc:
                 if self._seq == seq:
                     self._announce_refusal(collective, exc)
                 raise
@@ -407,15 +419,15 @@ class Communicator:
         result from all of them, reducing in rank order. ``inline_bytes`` is ``min(128 KiB, 1 MiB /
         ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it off) with ``algorithm="auto"`` and ddl's planner
         when all ranks share a node and the check is ``"always"``, else 0.)"""
-        if isinstance(nbytes_or_buffer, (int, np.integer)):
-            nbytes = int(nbytes_or_buffer)
+        if isinstance(nbytes_or_buffer, (int, np.integer, str)) and not isinstance(nbytes_or_buffer, bool):
+            nbytes = _nbytes(nbytes_or_buffer)
         else:
             nbytes = parse_buffer(nbytes_or_buffer, "buffer").nbytes
         return self._schedule(collective, nbytes, root)
 
     def explain(self, nbytes, collective="allreduce", root=0):
         """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives)."""
-        return self.planner.plan(collective, int(nbytes), self._algorithm_of(collective), root)
+        return self.planner.plan(collective, _nbytes(nbytes), self._algorithm_of(collective), root)
 
     def _compiled(self, layout, count, dtype, op, root, sig_count):
         key = (layout, count, dtype, op, root)
@@ -442,6 +454,7 @@ class Communicator:
     def _finisher(self, layout, count, op):
         size, rank = self.size, self.rank
         average = op is not None and op.average and size > 1
+        truth = size == 1 and op in LOGICAL   # nothing is reduced on one rank: make the 1 or 0 here
         if layout == "reduce_scatter_inplace":
             n = count // size
 
@@ -451,13 +464,19 @@ class Communicator:
                     buf[:n] = buf[rank * n:(rank + 1) * n]
                 if average:
                     finish_average(buf[:n], size)
+                if truth:
+                    np.not_equal(buf[:n], 0, out=buf[:n])
             return finish
-        if not average:
+        if not (average or truth):
             return None
         n = count // size if layout == "reduce_scatter" else count
 
         def finish(ex):
-            finish_average(ex.bufs[1][:n], size)
+            out = ex.bufs[1][:n]
+            if average:
+                finish_average(out, size)
+            if truth:
+                np.not_equal(out, 0, out=out)
         return finish
 
     # ---- the engine entry -----------------------------------------------------------------------
@@ -683,12 +702,14 @@ class Communicator:
         return ex
 
     # ---- Horovod-style functional API ---------------------------------------------------------------
+    @_announced("allreduce")
     def allreduce(self, array, op=SUM):
         """A new array: ``op`` over every rank's ``array`` (any array-like; scalars give scalars)."""
         arr, out, result = _functional(array)
         self._engine.wait(self._allreduce_start(arr, out, op, blocking=True))
         return result()
 
+    @_announced("allreduce")
     def iallreduce(self, array, op=SUM):
         """Nonblocking :meth:`allreduce`: ``req.wait()`` returns the new array."""
         arr, out, result = _functional(array)
@@ -698,8 +719,9 @@ class Communicator:
         """``[allreduce(a) for a in arrays]`` with one collective per dtype over a packed buffer."""
         return self.grouped_iallreduce(arrays, op).wait()
 
+    @_announced("allreduce")
     def grouped_iallreduce(self, arrays, op=SUM):
-        arrays = [np.asarray(a) for a in arrays]
+        arrays = [_numbers(a, "grouped_allreduce") for a in arrays]
         groups = {}
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype, []).append(i)
@@ -765,6 +787,9 @@ class _GroupRequest(Request):
             self._engine.wait(ex)
         return True
 
+    def __repr__(self):
+        return f"<ddl.Request grouped_allreduce of {len(self._reqs)} collectives, {'done' if self.done else 'in flight'}>"
+
     def Test(self):
         return all([self._engine.test(ex) for ex in self._reqs])
 
@@ -777,6 +802,18 @@ class _GroupRequest(Request):
     @property
     def done(self):
         return all(ex.done for ex in self._reqs)
+
+
+def _nbytes(value):
+    """A message size for :meth:`Communicator.plan` / :meth:`~Communicator.explain`: a non-negative
+    integer or a size such as ``'64MiB'``."""
+    try:
+        nbytes = parse_size(value.item() if isinstance(value, np.integer) else value)
+    except (TypeError, ValueError) as exc:
+        raise Error(str(exc)) from None
+    if nbytes < 0:
+        raise Error(f"a message size must be a non-negative number of bytes, got {value!r}")
+    return nbytes
 
 
 def _seconds(name, value, source=None):

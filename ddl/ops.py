@@ -64,6 +64,7 @@ LOR = Op("LOR", 10, np.logical_or, frozenset({"int", "bool"}))
 LXOR = Op("LXOR", 11, np.logical_xor, frozenset({"int", "bool"}))
 
 OPS = (SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR, LAND, LOR, LXOR)
+LOGICAL = (LAND, LOR, LXOR)
 _BY_NAME = {op.name: op for op in OPS}
 _BY_CODE = {op.code: op for op in OPS}
 _ALIASES = {"AVERAGE": AVG, "MEAN": AVG}

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
-from ..ops import SUM, check_op_dtype, resolve_op
+from ..ops import LOGICAL, SUM, check_op_dtype, resolve_op
 from .buffers import DTYPES, DeviceBuffer, parse_device_buffer
 from .launch_plan import RECV_BUF, SCRATCH_BUF, SEND_BUF, WORK_BUF, launch_plan
 
@@ -629,6 +629,8 @@ class NcclExecutor:
         if op is not None:
             _check_op(op, dt)
         path = self._choose_path()
+        if self.size == 1 and op in LOGICAL:
+            path = "host-staged"   # one rank reduces nothing; the host path makes the 1 or 0 (no kernel for it)
         if path == "host-staged":
             req = self._run_staged(layout, send, recv, op, root, stream)
         else:

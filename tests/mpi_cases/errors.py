@@ -78,8 +78,9 @@ else:
     fn = lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4))  # noqa: E731
 expect(ddl.MismatchError, fn, "rank 0 called Bcast with 4 float64", "collective", label="collective mismatch")
 
-expect(ddl.MismatchError, lambda: comm.Bcast(np.ones(4), root=(1 if r == last else 0)), "root 1", "root 0",
-       label="root mismatch")
+msg = expect(ddl.MismatchError, lambda: comm.Bcast(np.ones(4), root=(1 if r == last else 0)), "root 1", "root 0",
+             "[differs in: root]", label="root mismatch")
+chk.ok(msg is not None and "schedule" not in msg, f"root mismatch blames the schedule it implies: {msg}")
 
 # nonblocking: the error surfaces at Wait, on every rank, while other requests complete fine
 good = np.full(2, r, np.int64)
@@ -189,6 +190,46 @@ one_rank_refuses("bad root on one rank", last, lambda: comm.Bcast(np.ones(3), ro
                  lambda: comm.Bcast(np.ones(3), root=p), [f"root {p}"], collective="Bcast")
 one_rank_refuses("allgather sizes on one rank", last, lambda: comm.Allgather(np.ones(3), np.empty(3 * p)),
                  lambda: comm.Allgather(np.ones(3), np.empty(3 * p + 1)), ["size*n"], collective="Allgather")
+# numpy's own errors on an argument are refusals too: a ragged list in the functional API, and the next
+# call of every rank still meets the others' (it once returned a sum of mismatched calls)
+one_rank_refuses("ragged list on one rank", 1 % p, lambda: comm.allreduce([1.0, 2.0]),
+                 lambda: comm.allreduce([[1.0, 2.0], [3.0]]), ["inhomogeneous"])
+chk.ok(np.array_equal(comm.allreduce(np.full(2, r + 1.0)), np.full(2, p * (p + 1) / 2)), "allreduce after a refusal")
+one_rank_refuses("grouped_allreduce of a ragged list on one rank", last, lambda: comm.grouped_allreduce([np.ones(2)]),
+                 lambda: comm.grouped_allreduce([[[1.0], [2.0, 3.0]]]), ["inhomogeneous"])
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), "abc", "d"]), "count must be an integer", "'abc'",
+       label="a count that is a string")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), 2.7, "d"]), "count must be an integer", "2.7",
+       label="a count that is a float")
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), (2, 1.5), "d"]), "displacement must be an integer",
+       label="a displacement that is a float")
+
+# the functional API is element-wise whatever the memory order of each rank's array
+fa = np.arange(6.0).reshape(2, 3)
+fa = np.asfortranarray(fa) if r == 0 else fa
+res = comm.allreduce(fa)
+chk.ok(np.array_equal(res, p * np.arange(6.0).reshape(2, 3)), f"allreduce of a Fortran-ordered array on rank 0: {res}")
+chk.ok(repr(comm.grouped_iallreduce([])).startswith("<ddl.Request grouped_allreduce of 0"), "repr of an empty group")
+chk.ok(comm.plan("64KiB").nranks == p and comm.explain("64KiB").nbytes == 65536, "plan / explain of a size string")
+expect(ddl.Error, lambda: comm.plan(-5), "non-negative", label="plan of a negative size")
+expect(ddl.Error, lambda: comm.explain("a lot"), "cannot parse size", label="explain of an unreadable size")
+
+# one rank reduces nothing, yet a logical op still gives 1 or 0, on the host and the device path
+from ddl.gpu.executor import HostRuntime, NcclExecutor  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from _host_array import HostArray  # noqa: E402
+solo = ddl.Communicator(MPI.COMM_SELF)
+dev = NcclExecutor(solo, runtime=HostRuntime(), path="cuda-aware-mpi")
+for op, want in ((ddl.LAND, [1, 0, 1]), (ddl.LOR, [1, 0, 1]), (ddl.LXOR, [1, 0, 1])):
+    chk.ok(solo.allreduce(np.array([5, 0, -7]), op=op).tolist() == want, f"{op} on one rank")
+    out = np.empty(3, np.int64)
+    dev.Allreduce(HostArray(np.array([5, 0, -7])), HostArray(out), op=op)
+    chk.ok(out.tolist() == want, f"{op} on one rank, device path: {out}")
+    rs = np.array([3, 0, 9])
+    solo.Reduce_scatter_block(ddl.IN_PLACE, rs, op=op)
+    chk.ok(rs.tolist() == want, f"{op} reduce-scatter in place on one rank: {rs}")
+dev.Free()
+solo.Free()
 
 # ---- planners other than ddl's own: their schedules are proven before they run ---------------------------
 from ddl.planner import Planner, flat_topology  # noqa: E402
