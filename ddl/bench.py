@@ -178,6 +178,8 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
                         if a != "auto"]
     if topology is not None:
         topology = os.path.abspath(topology)
+        if os.path.isdir(topology):
+            raise Error(f"{topology} is a folder: name a topology file in it (YAML or JSON)")
         if not os.path.isfile(topology):
             raise Error(f"{topology}: no such topology file")
     if plot is not None:
@@ -642,7 +644,7 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                 impl.prepare_size(nbytes)
                 active.append(impl)
             except Skip as exc:
-                skipped.append(impl.name)
+                skipped.append((impl.name, exc))
                 note(f"{impl.name} skipped at {format_size(nbytes)}: {exc}")
         times = {impl.name: [] for impl in active}
         wrong = {}
@@ -671,9 +673,9 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                 if progress:
                     progress.clear()
                 print(format_row(row, widths), file=out, flush=True)
-        for name in skipped:
+        for name, why in skipped:
             if not opts.json:
-                print(f"# {format_size(nbytes)} {name}: skipped (see the note above)", file=out)
+                print(f"# {format_size(nbytes)} {name}: skipped: {why}", file=out)
     if progress:
         progress.clear()
     for impl in impls:

@@ -58,6 +58,9 @@ def parse_latency(text):
     return float(m.group(1)) * _LATENCY[m.group(2)]
 
 
+MAX_SIZE = 1 << 60   # 1 EiB: sizes beyond it are typing mistakes (1e400 is infinity, 1e300 a file name too long)
+
+
 def parse_size(text):
     """``'256MiB'`` -> 268435456, ``'64MB'`` -> 64000000, ``'1048576'`` -> 1048576 bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -66,6 +69,8 @@ def parse_size(text):
     if not m:
         raise ValueError(f"cannot parse size {text!r}: write bytes, e.g. 1048576, 64MB or 256MiB")
     value = float(m.group(1)) * _PREFIX[m.group(2)]
+    if not value <= MAX_SIZE:
+        raise ValueError(f"size {text!r} is beyond 1 EiB: write bytes, e.g. 64MiB or 2GiB")
     if value != int(value) or value < 0:
         raise ValueError(f"size {text!r} is not a whole, non-negative number of bytes")
     return int(value)

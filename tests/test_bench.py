@@ -237,12 +237,19 @@ def test_argument_errors_exit_2_with_one_line(args, message, topo_file, capsys, 
     assert err.startswith("ddl: error:") and err.count("\n") == 1 and message in err, err
 
 
-def test_missing_file_and_emulate_under_mpi(capsys, monkeypatch):
+def test_missing_file_and_emulate_under_mpi(capsys, monkeypatch, tmp_path):
     assert main(["bench", "no-such.yaml"]) == 2
     assert "no-such.yaml: no such topology file" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path)]) == 2
+    assert "is a folder: name a topology file in it" in capsys.readouterr().err
     monkeypatch.setenv("PMI_RANK", "0")
     assert main(["bench", str(ROOT / "topologies/emulated-flat.yaml"), "--emulate"]) == 2
     assert "without mpiexec" in capsys.readouterr().err
+
+
+def test_a_launched_job_killed_by_a_signal_exits_as_a_shell_says():
+    from ddl.cli.bench import _child
+    assert _child([sys.executable, "-c", "import os, signal; signal.signal(signal.SIGPIPE, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGPIPE)"]) == 141
 
 
 def test_cli_error_has_no_traceback(env):

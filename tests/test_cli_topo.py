@@ -1,4 +1,5 @@
 """``ddl topo validate | show | draw`` through the real command line (a subprocess each)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,8 +130,9 @@ def test_draw_says_the_file_it_wrote_and_refuses_a_folder_or_a_huge_dpi(tmp_path
     proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "picture")
     assert proc.returncode == 0 and f"wrote {tmp_path / 'picture.png'}" in proc.stdout, proc.stderr
     assert (tmp_path / "picture.png").read_bytes()[:4] == b"\x89PNG"
-    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path)
-    assert proc.returncode == 2 and "is a directory" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    for folder in (str(tmp_path), str(tmp_path / "new") + os.sep):   # an existing folder, or a name ending in /
+        proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", folder)
+        assert proc.returncode == 2 and "names a folder" in proc.stderr and len(proc.stderr.splitlines()) == 1
     proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "x.png", "--dpi", "100000")
     assert proc.returncode == 2 and "--dpi 100000: from 1 to 1200" in proc.stderr
     assert not (tmp_path / "x.png").exists()

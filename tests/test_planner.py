@@ -1,5 +1,6 @@
 """The planner's choice: which candidates it builds, and that simulating them in parallel changes nothing."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -217,12 +218,29 @@ def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
     (["--save", str(ZOO / "emulated-2rack.yaml")], "is the topology file itself"),
     (["--algorithm", "fastest"], "unknown algorithm 'fastest'"),
     (["--bytes", "4MiB,64MiB", "--compare"], "--compare takes one size"),
-    (["--bytes", "4MiB,64MiB", "--save", "s.json"], "--save takes one size")])
+    (["--bytes", "4MiB,64MiB", "--save", "s.json"], "--save takes one size"),
+    (["--bytes", "1e400"], "beyond 1 EiB"),
+    (["--save", "plans" + os.sep], "is a folder"),
+    (["--save", str(ZOO / "emulated-2rack.yaml" / "x.json")], "is not a folder"),
+    (["--compare", "--algorithm", "ring"], "drop --algorithm ring")])
 def test_plan_user_errors_are_one_line(capsys, tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--workers", "1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddl: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_save_takes_one_file_and_an_empty_message_has_no_cache_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
+    flat = str(ZOO / "emulated-flat.yaml")
+    assert main(["plan", flat, flat, "--compare", "--save", str(tmp_path / "s.json"), "--workers", "1"]) == 2
+    assert "--save writes one schedule" in capsys.readouterr().err
+    # 0 bytes shares the 1-byte class, whose plan is stored; a 0-byte plan never is (it crashed here)
+    assert main(["plan", flat, "--bytes", "1", "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert main(["plan", flat, "--bytes", "0", "--workers", "1", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["cache_file"] is None and record["cache_holds_other"] is None
 
 
 def test_compare_reads_every_file_before_planning_any(capsys, tmp_path, monkeypatch):

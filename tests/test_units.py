@@ -68,6 +68,14 @@ def test_bad_sizes(text):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text", ["1e400", "1e300", str(2 ** 61), "1e19"])
+def test_absurd_sizes_are_refused_not_overflowed(text):
+    """1e400 is infinity (OverflowError in int()), 1e300 made a cache file name too long."""
+    with pytest.raises(ValueError, match="beyond 1 EiB"):
+        parse_size(text)
+    assert parse_size(str(2 ** 60)) == 2 ** 60
+
+
 def test_formatting():
     assert format_bandwidth(25e9) == "25 GB/s"
     assert format_bandwidth(12.5e6) == "12.5 MB/s"

@@ -114,6 +114,9 @@ def pack_trees(topo):
     # Blink's pruning: a tree with a sliver of the data costs a message per edge and piece, and may
     # run over a link the LP barely uses; dropping it gives up at most its share of the bandwidth
     weights = res.x * unit
+    if not weights.sum() > 0:   # links a billion-fold apart: the slowest is zero within HiGHS's tolerance
+        raise PlanError(f"{NAME}: the packing LP gives no tree any bandwidth (link capacities from "
+                        f"{caps.min():.3g} to {unit:.3g} B/s are too far apart for it)")
     keep = [i for i, w in enumerate(weights) if w >= MIN_TREE_SHARE * weights.sum()]
     kept = [float(weights[i]) for i in keep]
     return [trees[i] for i in keep], kept, sum(kept)

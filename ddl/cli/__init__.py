@@ -1,7 +1,8 @@
 """The ``ddl`` command line: ``ddl topo``, ``ddl plan``, ``ddl bench``, ``ddl emulate``.
 
 Each sub-command lives in its own module with a ``register(subparsers)`` function that adds its parser
-and sets ``func``. User errors (any :class:`ddl.Error`, a missing file) become one line on stderr and
+and sets ``func``. User errors (any :class:`ddl.Error`, any OSError: a missing file, a folder where a
+file goes) become one line on stderr and
 exit status 2; a traceback is shown only for bugs. Output piped into a reader that stops early
 (``ddl plan ... | head``) ends quietly, as ``cat`` would, with the status of a broken pipe (141).
 """
@@ -61,9 +62,6 @@ def main(argv=None):
     except Error as exc:
         print(f"ddl: error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        print(f"ddl: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("ddl: interrupted", file=sys.stderr)
         return 130
@@ -72,6 +70,10 @@ def main(argv=None):
         # not raise again on the way out.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:         # a missing file, a folder where a file goes, a full disk ...
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"ddl: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def _options(args):
         from ..emulate.netns import check_mtu
         args.mtu = check_mtu(args.mtu)
     if args.nranks is not None and (file or under_mpi() or args.emulate):
-        raise Error("--nranks is for runs without a topology file outside mpiexec "
+        source = " (from DDL_TOPOLOGY)" if file and not args.file else ""
+        raise Error(f"--nranks is for runs without a topology file{source} outside mpiexec "
                     "(the topology, or mpiexec -n, fixes the rank count)")
     if args.emulate:
         if under_mpi():
@@ -208,7 +209,8 @@ def _relaunch_emulated(opts, no_rate_check, mtu=None):
 def _child(cmd):
     proc = subprocess.Popen(cmd)
     try:
-        return proc.wait()
+        status = proc.wait()
+        return 128 - status if status < 0 else status   # killed by signal N: 128 + N, as a shell says
     except KeyboardInterrupt:
         proc.terminate()
         try:

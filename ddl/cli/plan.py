@@ -57,6 +57,12 @@ def run(args):
         raise PlanError("several files need --compare")
     if len(sizes) > 1 and (args.compare or args.save):
         raise PlanError(f"--bytes {args.bytes}: {'--compare' if args.compare else '--save'} takes one size")
+    if args.compare and args.algorithm != "auto":
+        raise PlanError(f"--compare shows auto's choice against the baselines; drop --algorithm {args.algorithm} "
+                        f"(its time is in the table when it is a baseline, and `ddl plan FILE --algorithm "
+                        f"{args.algorithm}` plans it alone)")
+    if args.save is not None and len(args.files) > 1:
+        raise PlanError("--save writes one schedule: plan one FILE with it")
     if args.root and args.collective != "broadcast":
         raise PlanError(f"--root {args.root}: {args.collective} has no root (--root is for --collective broadcast)")
     if args.save is not None:
@@ -64,6 +70,11 @@ def run(args):
             raise PlanError("--save needs a file name, e.g. --save plan.json")
         if os.path.exists(args.save) and any(os.path.exists(f) and os.path.samefile(args.save, f) for f in args.files):
             raise PlanError(f"--save {args.save} is the topology file itself: name another file for the schedule")
+        folder = os.path.dirname(os.path.abspath(args.save))
+        if os.path.isdir(args.save) or args.save.endswith(os.sep):
+            raise PlanError(f"--save {args.save} is a folder: name the file, e.g. {os.path.join(args.save, 'plan.json')}")
+        if not os.path.isdir(folder):
+            raise PlanError(f"--save {args.save}: {folder} is not a folder")
     topos = []
     for path in args.files:            # every file read and checked before any is planned
         topo = Topology.load(path)
@@ -77,7 +88,8 @@ def run(args):
             plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
             path = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
             held = planner.held(args.collective, nbytes, args.algorithm, args.root)
-            cached = None if path is None or not path.exists() else (path, held == plan.schedule, held)
+            # (0 bytes: nothing is stored; a job's empty call runs the 1-byte class's plan)
+            cached = None if path is None or held is None or not path.exists() else (path, held == plan.schedule, held)
             plans.append((topo, plan, cached))
     if args.save:
         plans[0][1].schedule.save(args.save)

@@ -570,8 +570,8 @@ def cmd_draw(args):
     directory = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(directory):
         raise Error(f"{output}: directory {directory} does not exist")
-    if os.path.isdir(output):
-        raise Error(f"{output} is a directory: name the image file to write, e.g. {os.path.join(output, 'topo.png')}")
+    if os.path.isdir(output) or output.endswith(os.sep):
+        raise Error(f"{output} names a folder: name the image file to write, e.g. {os.path.join(output, 'topo.png')}")
     if not os.path.splitext(output)[1]:
         output += ".png"               # what matplotlib would write: say so instead of another name
     if not 0 < args.dpi <= MAX_DPI:
