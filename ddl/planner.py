@@ -106,11 +106,46 @@ class Planner:
         base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
         self.cache_dir = Path(base) / _cache_generation() / topo.fingerprint[:16] if use_disk_cache else None
         self._schedules = {}
+        self._pinned = {}
+
+    def pin(self, schedule):
+        """Run ``schedule`` -- a :class:`~ddl.schedule.Schedule`, or the path of one saved with ``ddl
+        plan --save`` and perhaps edited by hand -- for every call of its collective (and root, for a
+        broadcast) at any size, whatever algorithm is asked for: schedules are size-independent
+        templates. It is proved here, so a wrong one fails now with :class:`ddl.ScheduleError`, not
+        in the job; one for another rank count is a :class:`ddl.PlanError`. Returns the schedule."""
+        if not isinstance(schedule, Schedule):
+            schedule = Schedule.load(schedule)
+        if schedule.nranks != self.topo.nranks:
+            raise PlanError(f"the schedule is for {schedule.nranks} ranks; {self.topo.name} has {self.topo.nranks}")
+        _verified(schedule)
+        self._pinned[_key(schedule.collective, 1, AUTO, schedule.root)[:2]] = schedule
+        return schedule
+
+    def evaluate(self, schedule, nbytes, source=None):
+        """The :class:`Plan` of a given schedule (one to :meth:`pin`, say; ``source`` names where it
+        came from): proved, simulated at ``nbytes`` and set against the lower bound, with no
+        alternatives."""
+        from .bounds import lower_bound
+
+        if schedule.nranks != self.topo.nranks:
+            raise PlanError(f"the schedule is for {schedule.nranks} ranks; {self.topo.name} has {self.topo.nranks}")
+        _verified(schedule)
+        sim = simulate(self.topo, schedule, nbytes)
+        bound = lower_bound(self.topo, schedule.collective, nbytes, root=schedule.root)
+        name = schedule.algorithm or "a schedule"
+        reason = f"{name} was given{f' ({source})' if source else ''}" + _regime(sim.seconds, bound)
+        return Plan(schedule.collective, nbytes, name, schedule, sim.seconds, bound.seconds, bound.bandwidth_seconds,
+                    bound.latency_seconds, verified=True, reason=reason, busiest=tuple(sim.busiest))
 
     # ---- schedules (the hot path for executors) ---------------------------------------------------
     def schedule(self, collective, nbytes, algorithm=AUTO, root=0):
         """The schedule to run for this call; cached, verified once."""
         _check_collective(collective)
+        if self._pinned:
+            pinned = self._pinned.get(_key(collective, nbytes, algorithm, root)[:2])
+            if pinned is not None:
+                return pinned
         key = _key(collective, nbytes, algorithm, root)
         sched = self._schedules.get(key)
         if sched is None:
@@ -413,9 +448,14 @@ def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
             head += "; 1 more was stopped once it could not win"
         elif outpaced:
             head += f"; {len(outpaced)} more were stopped once they could not win"
+    return head + _regime(seconds, bound)
+
+
+def _regime(seconds, bound):
+    """What kind of size this is, for the explanation (nothing when nothing moves)."""
     if seconds <= 0:
-        return head
+        return ""
     regime = ("latency-bound (the message is small: fewest rounds wins)"
               if bound.latency_seconds >= bound.bandwidth_seconds else
               "bandwidth-bound (the message is large: using every link's capacity wins)")
-    return f"{head}; this size is {regime}"
+    return f"; this size is {regime}"

@@ -274,8 +274,16 @@ class Schedule:
 
     @classmethod
     def load(cls, path):
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """Read a schedule saved with :meth:`save` (``ddl plan --save``); errors name the file."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            raise ScheduleError(f"{path}: not a ddl schedule (not text)") from None
+        try:
+            return cls.from_json(text)
+        except ScheduleError as exc:
+            raise ScheduleError(f"{path}: {exc}") from None
 
     def __repr__(self):
         return (f"Schedule({self.algorithm or '?'} {self.collective}, {self.nranks} ranks, "

@@ -243,6 +243,30 @@ def test_save_takes_one_file_and_an_empty_message_has_no_cache_line(capsys, tmp_
     assert record["cache_file"] is None and record["cache_holds_other"] is None
 
 
+def test_a_given_schedule_is_proved_and_predicted_not_planned(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
+    topo, saved = str(ZOO / "emulated-flat.yaml"), tmp_path / "ring.json"
+    assert main(["plan", topo, "--bytes", "1MiB", "--algorithm", "ring", "--save", str(saved), "--workers", "1"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(Planner, "plan", lambda *a, **k: pytest.fail("planned instead of evaluating"))
+    assert main(["plan", topo, "--bytes", "1MiB,4MiB", "--schedule", str(saved), "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["bytes"] for r in records] == [1 << 20, 4 << 20] and {r["algorithm"] for r in records} == {"ring"}
+    assert all(r["verified"] and r["gap"] >= 1 and r["cache_file"] is None for r in records)
+    assert records[1]["predicted_seconds"] > records[0]["predicted_seconds"]
+    data = json.loads(saved.read_text())
+    data["programs"][0] = data["programs"][0][1:]                   # a hand edit that drops an operation
+    saved.write_text(json.dumps(data))
+    assert main(["plan", topo, "--schedule", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ddl: error: {saved}: ") and err.count("\n") == 1, err
+    for args, message in ((["--compare"], "not with --compare"), (["--collective", "broadcast"], "holds a schedule of allreduce"),
+                          ([], "is for 8 ranks")):
+        other = str(ZOO / "dgx-a100-2x8.yaml") if not args else topo
+        assert main(["plan", other, "--schedule", str(tmp_path / "ring.json"), *args]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_compare_reads_every_file_before_planning_any(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "bad.yaml"

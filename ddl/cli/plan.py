@@ -2,8 +2,8 @@
 import json
 import os
 
-from ..errors import PlanError
-from ..schedule import COLLECTIVES
+from ..errors import PlanError, ScheduleError
+from ..schedule import COLLECTIVES, Schedule
 from ..units import format_bandwidth, format_seconds, format_size, parse_size
 
 TIMELINE_SLICES = 60      # --timeline: the run cut into this many equal slices
@@ -27,11 +27,15 @@ def register(sub):
                    help="message size, e.g. 256MiB, 64MB, 1048576 (default 256MiB); several, comma-separated "
                         "(4MiB,64MiB), plan each in turn (not with --compare or --save): a job's bucket sizes "
                         "planned ahead at once")
-    p.add_argument("--collective", default="allreduce", choices=COLLECTIVES)
+    p.add_argument("--collective", default=None, choices=COLLECTIVES, help="default allreduce")
     p.add_argument("--algorithm", default="auto", metavar="NAME", help="auto (default) or an algorithm name")
     p.add_argument("--root", type=int, default=0, help="root rank for broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
     p.add_argument("--save", metavar="FILE.json", help="write the chosen schedule as JSON")
+    p.add_argument("--schedule", metavar="FILE.json",
+                   help="instead of planning, prove and predict this schedule (one written with --save, perhaps "
+                        "edited by hand) on FILE at each size, against the bound; a job runs it after "
+                        "comm.planner.pin(FILE.json)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="processes that simulate the candidates of a cold plan (default: one per core)")
     p.add_argument("--compare", action="store_true",
@@ -51,6 +55,18 @@ def run(args):
         sizes = [parse_size(text) for text in args.bytes.split(",")]
     except ValueError as exc:
         raise PlanError(f"--bytes: {exc}") from None
+    given = None
+    if args.schedule is not None:
+        if args.compare or args.save or args.algorithm != "auto" or len(args.files) > 1:
+            raise PlanError("--schedule evaluates one given schedule on one FILE: not with --compare, --save "
+                            "or --algorithm")
+        given = Schedule.load(args.schedule)
+        if args.collective not in (None, given.collective):
+            raise PlanError(f"--collective {args.collective}: {args.schedule} holds a schedule of {given.collective}")
+        if args.root and args.root != given.root:
+            raise PlanError(f"--root {args.root}: {args.schedule} broadcasts from rank {given.root}")
+        args.collective, args.root = given.collective, given.root
+    args.collective = args.collective or "allreduce"
     if args.workers < 1:
         raise PlanError(f"--workers {args.workers}: at least 1 (the processes that simulate the candidates)")
     if len(args.files) > 1 and not args.compare:
@@ -85,6 +101,12 @@ def run(args):
     for topo in topos:
         planner = Planner(topo, workers=args.workers)
         for nbytes in sizes:
+            if given is not None:
+                try:
+                    plans.append((topo, planner.evaluate(given, nbytes, source=args.schedule), None))
+                except ScheduleError as exc:
+                    raise ScheduleError(f"{args.schedule}: {exc}") from None
+                continue
             plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
             path = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
             held = planner.held(args.collective, nbytes, args.algorithm, args.root)

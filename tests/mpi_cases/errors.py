@@ -265,6 +265,22 @@ for planner in (Foreign(), Subclass(flat_topology(p), use_disk_cache=False)):
     expect(ddl.ScheduleError, lambda: c.Allreduce(ddl.IN_PLACE, np.ones(1 << 16)), "lacks the contribution",
            label=f"broken schedule from a {type(planner).__name__} planner")
 
+# a schedule saved (and perhaps edited by hand) runs at every size once pinned; a wrong one fails at the pin
+import tempfile  # noqa: E402
+saved = os.path.join(tempfile.gettempdir(), f"ddl-pinned-ring-{os.getpid()}.json")
+Planner(flat_topology(p), use_disk_cache=False).schedule("allreduce", 1 << 20, "ring").save(saved)
+c = ddl.Communicator(WORLD, stall_timeout=60)
+chk.ok(c.planner.pin(saved).algorithm == "ring", "pin returns the schedule")
+for n in (3, 1 << 12, 1 << 18):      # sizes beyond the inline limit run the schedule
+    chk.ok(c.plan(n * 8).algorithm == "ring", f"the pinned schedule at {n * 8} bytes")
+    v = np.full(n, r + 1.0)
+    c.Allreduce(ddl.IN_PLACE, v)
+    chk.ok(np.all(v == p * (p + 1) / 2), f"Allreduce with a pinned schedule, {n} elements")
+broken("allreduce", 1 << 20).save(saved)
+expect(ddl.ScheduleError, lambda: c.planner.pin(saved), "lacks the contribution", label="pinning a wrong schedule")
+os.unlink(saved)
+c.Free()
+
 # ---- buffer spec forms -------------------------------------------------------------------------------
 a = np.arange(8, dtype=np.float32) + r
 out = np.zeros(8, np.float32)
