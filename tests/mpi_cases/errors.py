@@ -276,6 +276,12 @@ for n in (3, 1 << 12, 1 << 18):      # sizes beyond the inline limit run the sch
     v = np.full(n, r + 1.0)
     c.Allreduce(ddl.IN_PLACE, v)
     chk.ok(np.all(v == p * (p + 1) / 2), f"Allreduce with a pinned schedule, {n} elements")
+odd = ddl.Communicator(WORLD, stall_timeout=60)    # ranks that pin different schedules: caught, not run
+odd.planner.pin(saved if r == 0 else Planner(flat_topology(p), use_disk_cache=False).schedule(
+    "allreduce", 1 << 20, "recursive-doubling"))
+expect(ddl.MismatchError, lambda: odd.Allreduce(ddl.IN_PLACE, np.ones(1 << 18)), "differs in: schedule",
+       label="a schedule pinned on one rank only")
+odd.Free()
 broken("allreduce", 1 << 20).save(saved)
 expect(ddl.ScheduleError, lambda: c.planner.pin(saved), "lacks the contribution", label="pinning a wrong schedule")
 os.unlink(saved)
