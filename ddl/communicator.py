@@ -155,9 +155,10 @@ def _numbers(array, what):
     """``array`` as a C-ordered numpy array, or a :class:`ddl.Error` saying why it is none (a ragged
     list, say), rather than numpy's ValueError."""
     try:
-        return np.ascontiguousarray(array)
+        arr = np.asarray(array)
     except (TypeError, ValueError) as exc:
         raise Error(f"{what}: the argument is not an array of numbers ({exc})") from None
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")   # (ascontiguousarray makes 0-d 1-d)
 
 
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",

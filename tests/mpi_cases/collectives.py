@@ -477,6 +477,8 @@ def check_functional():
     chk.ok(np.array_equal(x, np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1)), "functional allreduce modified input")
     s = comm.allreduce(r + 1)
     chk.ok(s == p * (p + 1) // 2 and isinstance(s, int), f"scalar allreduce: {s!r}")
+    z = comm.allreduce(np.array(r + 1.0))
+    chk.ok(z.shape == () and z == p * (p + 1) / 2, f"0-d array allreduce keeps its shape: {z!r}")
     arrays = [np.full((2, 3), r, np.float32), np.arange(5, dtype=np.int64) + r, np.ones(1, np.float32) * r,
               np.zeros((0,), np.float32)]
     outs = comm.grouped_allreduce(arrays, op=ddl.SUM)
