@@ -116,10 +116,8 @@ class Planner:
         in the job; one for another rank count is a :class:`ddl.PlanError`. Returns the schedule."""
         if not isinstance(schedule, Schedule):
             schedule = Schedule.load(schedule)
-        if schedule.nranks != self.topo.nranks:
-            raise PlanError(f"the schedule is for {schedule.nranks} ranks; {self.topo.name} has {self.topo.nranks}")
-        _verified(schedule)
-        self._pinned[_key(schedule.collective, 1, AUTO, schedule.root)[:2]] = schedule
+        self._prove_given(schedule)
+        self._pinned[_pin_key(schedule.collective, schedule.root)] = schedule
         return schedule
 
     def evaluate(self, schedule, nbytes, source=None):
@@ -128,9 +126,7 @@ class Planner:
         alternatives."""
         from .bounds import lower_bound
 
-        if schedule.nranks != self.topo.nranks:
-            raise PlanError(f"the schedule is for {schedule.nranks} ranks; {self.topo.name} has {self.topo.nranks}")
-        _verified(schedule)
+        self._prove_given(schedule)
         sim = simulate(self.topo, schedule, nbytes)
         bound = lower_bound(self.topo, schedule.collective, nbytes, root=schedule.root)
         name = schedule.algorithm or "a schedule"
@@ -138,12 +134,17 @@ class Planner:
         return Plan(schedule.collective, nbytes, name, schedule, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, verified=True, reason=reason, busiest=tuple(sim.busiest))
 
+    def _prove_given(self, schedule):
+        if schedule.nranks != self.topo.nranks:
+            raise PlanError(f"the schedule is for {schedule.nranks} ranks; {self.topo.name} has {self.topo.nranks}")
+        _verified(schedule)
+
     # ---- schedules (the hot path for executors) ---------------------------------------------------
     def schedule(self, collective, nbytes, algorithm=AUTO, root=0):
         """The schedule to run for this call; cached, verified once."""
         _check_collective(collective)
         if self._pinned:
-            pinned = self._pinned.get(_key(collective, nbytes, algorithm, root)[:2])
+            pinned = self._pinned.get(_pin_key(collective, root))
             if pinned is not None:
                 return pinned
         key = _key(collective, nbytes, algorithm, root)
@@ -288,6 +289,11 @@ def _key(collective, nbytes, algorithm, root):
     """The caches' key of a call: its size class, and its root for broadcast only (the other
     collectives have none, so any root asks for the same plan)."""
     return (collective, root if collective == "broadcast" else 0, algorithm, size_class(nbytes))
+
+
+def _pin_key(collective, root):
+    """A pinned schedule serves every size and algorithm of its collective (and root, for broadcast)."""
+    return collective, root if collective == "broadcast" else 0
 
 
 _FORKED = None     # what forked workers inherit (see _predict)
