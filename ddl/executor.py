@@ -86,6 +86,7 @@ import numpy as np
 
 from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk_locations, read_location
 from .errors import Error, StallError
+from .ops import reduce_into
 from .schedule import RECV, SEND
 
 # compiled op codes
@@ -145,9 +146,9 @@ def _combine(ufunc, v):
     """Reduce the operands of a reduction's views (see :meth:`CompiledPlan.views`) into its output."""
     if v[1] is None:                   # a span whose members take different operand orders
         for a, b, out in v[2]:
-            ufunc(a, b, out=out)
+            reduce_into(ufunc, a, b, out)
     else:
-        ufunc(v[1], v[2], out=v[3])
+        reduce_into(ufunc, v[1], v[2], v[3])
 
 
 class CompiledPlan:
@@ -758,7 +759,7 @@ class Engine:
         ufunc = plan.ufunc
         ufunc(rows[0], rows[1], out=out)
         for r in range(2, p):
-            ufunc(out, rows[r], out=out)
+            reduce_into(ufunc, out, rows[r], out)
 
     # ---- progress ---------------------------------------------------------------------------------
     def _dispatch(self, owner):

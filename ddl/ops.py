@@ -70,6 +70,17 @@ _BY_CODE = {op.code: op for op in OPS}
 _ALIASES = {"AVERAGE": AVG, "MEAN": AVG}
 
 
+def reduce_into(ufunc, a, b, out):
+    """``out = a op b`` without a temporary (``out`` may be ``a`` or ``b``). One element is computed
+    aside: numpy takes ``add(a, b, out=a)`` of a single element for a reduction and keeps ``b``'s NaN
+    (sign and payload) instead of ``a``'s, which would break the operand order that makes results
+    bitwise identical on every rank."""
+    if out.size == 1:
+        out[...] = ufunc(a, b)
+    else:
+        ufunc(a, b, out=out)
+
+
 def _by_name(name):
     return _BY_NAME[name]
 

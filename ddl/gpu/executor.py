@@ -48,7 +48,7 @@ import numpy as np
 
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
-from ..ops import LOGICAL, SUM, check_op_dtype, resolve_op
+from ..ops import LOGICAL, SUM, check_op_dtype, reduce_into, resolve_op
 from .buffers import DTYPES, DeviceBuffer, parse_device_buffer
 from .launch_plan import RECV_BUF, SCRATCH_BUF, SEND_BUF, WORK_BUF, launch_plan
 
@@ -281,7 +281,7 @@ class HostRuntime:
         o = _host_view(out, n).view(npdt)
         acc = _host_view(a0, n).view(npdt).copy()
         for p in inputs:
-            ufunc(acc, _host_view(p, n).view(npdt), out=acc)
+            reduce_into(ufunc, acc, _host_view(p, n).view(npdt), acc)
         o[...] = acc
 
     def scale(self, dtype, ptr, count, divisor, stream):

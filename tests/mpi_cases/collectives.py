@@ -565,23 +565,25 @@ def check_signed_zeros_and_nans():
     results), inline and scheduled."""
     from ddl.algorithms import ALGORITHMS
     topo = two_host_topology(p)
-    count = 13 * p + 5
-    zeros = np.where(np.arange(count) % 2 == r % 2, -0.0, 0.0)
-    nans = np.full(count, np.nan)
-    nans.view(np.uint64)[:] |= np.uint64(r + 1) | (np.uint64(r % 2) << np.uint64(63))  # payload, sign
-    cases = [(ddl.MAX, zeros), (ddl.MIN, zeros), (ddl.SUM, nans), (ddl.PROD, nans)]
     comms = [("auto", comm)] + [(name, ddl.Communicator(WORLD, topology=topo, algorithm=name)) for name in ALGORITHMS]
+    # chunks of one element too: numpy's in-place add of one element keeps the second operand's NaN
+    for count in (13 * p + 5, 1, p + 1):
+        zeros = np.where(np.arange(count) % 2 == r % 2, -0.0, 0.0)
+        nans = np.full(count, np.nan)
+        nans.view(np.uint64)[:] |= np.uint64(r + 1) | (np.uint64(r % 2) << np.uint64(63))  # payload, sign
+        cases = [(ddl.MAX, zeros), (ddl.MIN, zeros), (ddl.SUM, nans), (ddl.PROD, nans)]
+        for name, c in comms:
+            for op, x in cases:
+                for dt in (np.float64, np.float32):
+                    try:
+                        if name != "auto":
+                            c.plan(count * np.dtype(dt).itemsize)
+                    except ddl.PlanError:
+                        continue
+                    out = x.astype(dt)
+                    c.Allreduce(ddl.IN_PLACE, out, op=op)
+                    chk.same_everywhere(f"{name} {op} {np.dtype(dt)} x {count} signed zeros / NaN payloads", out)
     for name, c in comms:
-        for op, x in cases:
-            for dt in (np.float64, np.float32):
-                try:
-                    if name != "auto":
-                        c.plan(count * np.dtype(dt).itemsize)
-                except ddl.PlanError:
-                    continue
-                out = x.astype(dt)
-                c.Allreduce(ddl.IN_PLACE, out, op=op)
-                chk.same_everywhere(f"{name} {op} {np.dtype(dt)} signed zeros / NaN payloads", out)
         if name != "auto":
             c.Free()
 
