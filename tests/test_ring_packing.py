@@ -97,6 +97,21 @@ def test_generated_rings_reach_the_optimum_over_all_rings(p):
     assert total > 1.01 * sum(channels.info["channel_rates"])
 
 
+def test_many_rings_of_unlike_rates_keep_a_small_pattern():
+    """Sixteen rings with shares at 64 steps once had weights whose least common multiple passed the
+    schedule's 2^48 pattern limit: a ScheduleError that made auto fail on the whole topology."""
+    bw = [19, 11, 3, 11, 3, 7, 13, 7, 23, 1, 19, 7, 11, 23, 2]
+    pairs = list(itertools.combinations(range(6), 2))
+    topo = Topology.from_dict({"name": "mesh6", "nodes": [{"id": f"g{i}", "kind": "gpu"} for i in range(6)],
+                               "links": [{"a": f"g{i}", "b": f"g{j}", "bandwidth": f"{b} GB/s"}
+                                         for (i, j), b in zip(pairs, bw)],
+                               "ranks": [f"g{i}" for i in range(6)]})
+    for collective in ("allgather", "allreduce"):
+        sched = ALGORITHMS["ring-packing"](topo, collective, nbytes=1 << 20)
+        verify(sched)
+        assert sum(sched.pattern) < 1 << 20 and len(sched.info["channel_weights"]) > 8
+
+
 def test_held_karp_finds_the_cheapest_cycle():
     rng = np.random.default_rng(7)
     for n in range(3, 8):

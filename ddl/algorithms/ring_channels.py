@@ -29,7 +29,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from ..errors import PlanError
-from ..schedule import ScheduleBuilder
+from ..schedule import MAX_PATTERN_TOTAL, ScheduleBuilder
 from .ring import (MAX_CHUNKS, MAX_PIPELINE, SEARCH_LIMIT, check_request, pipeline_depth, rank_partitions,
                    ring_order, rings_allgather, rings_reduce_scatter, widest_ring)
 
@@ -201,10 +201,15 @@ def _max_total_rate(loads, capacity):
 
 def integer_weights(rates, steps=WEIGHT_STEPS):
     """Small positive integers in (about) the proportion of ``rates``: each rate over the fastest as a
-    fraction with a denominator up to ``steps``."""
+    fraction with a denominator up to ``steps``. Where those denominators are many and unlike (sixteen
+    rings at 64 steps: their least common multiple passed 10^10, and the chunk pattern 2^48), each
+    rate is rounded to a multiple of ``1/steps`` of the fastest instead: the same precision, one
+    denominator."""
     top = max(rates)
     fractions = [max(Fraction(r / top).limit_denominator(steps), Fraction(1, steps)) for r in rates]
     scale = lcm(*(f.denominator for f in fractions))
+    if scale > steps * steps:
+        return [max(1, round(steps * r / top)) for r in rates]
     return [int(f * scale) for f in fractions]
 
 
@@ -218,6 +223,9 @@ def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, 
     ks = [int(k)] * len(orders) if isinstance(k, int) else [int(x) for x in k]
     rings = p if collective == "allreduce" else 1      # ring blocks per channel within one buffer block
     scale = lcm(*ks)
+    if sum(weights) * scale * rings > MAX_PATTERN_TOTAL:
+        raise PlanError(f"{algorithm}: channel weights {list(weights)} with {ks} chunks per ring block cut the "
+                        f"buffer finer than a schedule's chunk pattern can hold")
     pattern, first = [], []                            # chunk weights; first piece of each channel
     for w, kj in zip(weights, ks):
         first.append(len(pattern))
