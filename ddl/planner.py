@@ -210,6 +210,11 @@ class Planner:
             except PlanError as exc:
                 skipped[name] = str(exc)
                 continue
+            except ScheduleError as exc:   # an algorithm's bug must not stop the others: said, not hidden
+                if name == algorithm:
+                    raise
+                skipped[name] = f"built an invalid schedule, a bug to report: {exc}"
+                continue
             built[name] = sched
         prune = algorithm == AUTO and not exhaustive
         predicted, outpaced, proved = _predict(self.topo, built, nbytes, self.workers, prune)

@@ -9,7 +9,7 @@ import ddl.planner as planner_module
 from ddl.errors import ScheduleError
 from ddl.schedule import Schedule
 from ddl.cli import main
-from ddl.planner import Planner
+from ddl.planner import Planner, flat_topology
 from ddl.topology import Topology
 
 ZOO = Path(__file__).resolve().parent.parent / "topologies"
@@ -104,6 +104,21 @@ def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
     planner = Planner(planner.topo, use_disk_cache=False, workers=2)
     with pytest.raises(ScheduleError, match="lacks the contribution"):
         planner.plan("allreduce", 16 << 20)
+
+
+def test_an_algorithm_that_builds_an_invalid_schedule_is_skipped_by_auto_and_named(monkeypatch):
+    build = Planner._build
+
+    def faulty(self, name, *a):
+        if name == "ring":
+            raise ScheduleError("chunk pattern weights sum to too much")
+        return build(self, name, *a)
+
+    monkeypatch.setattr(Planner, "_build", faulty)
+    plan = Planner(flat_topology(4), use_disk_cache=False).plan("allreduce", 1 << 20)
+    assert plan.algorithm != "ring" and "a bug to report: chunk pattern" in plan.skipped["ring"]
+    with pytest.raises(ScheduleError, match="chunk pattern"):       # asked for by name: its error
+        Planner(flat_topology(4), use_disk_cache=False).plan("allreduce", 1 << 20, "ring")
 
 
 def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):
