@@ -157,6 +157,8 @@ class Schedule:
         is small; every rank computes identical ranges.
         """
         count = operator.index(count)      # a Python int: numpy's fixed-width integers would wrap below
+        if count >= 1 << 62:               # offsets are int64 (and no buffer is 2^62 elements)
+            raise ScheduleError(f"a count of {count} elements is beyond what a schedule indexes (2^62)")
         if count < 0 or count % self.nblocks:
             raise ScheduleError(f"{self.collective} on {self.nranks} ranks needs a count divisible by "
                                 f"{self.nblocks}, got {count}")

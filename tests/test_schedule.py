@@ -93,6 +93,9 @@ def test_chunk_ranges_stay_exact_for_huge_buffers_and_weights():
         assert heavy.chunk_ranges(count).tolist() == [[0, 1 << 19], [1 << 19, 1 << 20]]
     with pytest.raises(TypeError):
         heavy.chunk_ranges(1.0 * (1 << 20))
+    for count in (1 << 62, 4 * ((1 << 62) + 3)):      # int64 offsets: refused, not wrapped to negative ones
+        with pytest.raises(ScheduleError, match="beyond what a schedule indexes"):
+            Schedule("allgather", 4, (1,), ((),) * 4).chunk_ranges(count)
 
 
 def test_reduce_scatter_count_must_divide():
