@@ -69,7 +69,8 @@ def reference(dt, count, op, blocks=1):
     arrays = [inputs(k, dt, count * blocks, op) for k in range(p)]
     cls = dtype_class(dt)
     if cls in ("int", "bool") or op in (ddl.MIN, ddl.MAX) or (op is ddl.PROD and cls != "complex"):
-        return functools.reduce(lambda a, b: op.ufunc(a, b), arrays), None
+        exact = functools.reduce(lambda a, b: op.ufunc(a, b), arrays)
+        return (exact != 0 if op in LOGICAL else exact), None   # (one rank: 1 or 0 all the same)
     wide = np.complex128 if cls == "complex" else np.float64
     if op is ddl.PROD:  # complex products round
         exact = functools.reduce(np.multiply, [a.astype(wide) for a in arrays])
