@@ -132,14 +132,20 @@ def _check_yaml_depth(text, source):
             if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
                 depth += 1
                 if depth > MAX_YAML_DEPTH:
-                    mark = event.start_mark
-                    raise TopologyError(f"YAML nested more than {MAX_YAML_DEPTH} levels deep at line {mark.line + 1}, "
-                                        f"column {mark.column + 1}; a topology nests a few levels: check the "
-                                        f"brackets and dashes there", source)
+                    raise _too_deep(event.start_mark, source)
             elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
                 depth -= 1
+    except yaml.MarkedYAMLError as exc:   # newer libyaml stops deep brackets itself, while scanning ahead
+        if "nesting depth" in str(exc.problem) and exc.problem_mark is not None:
+            raise _too_deep(exc.problem_mark, source) from None
     except yaml.YAMLError:
         pass
+
+
+def _too_deep(mark, source):
+    return TopologyError(f"YAML nested more than {MAX_YAML_DEPTH} levels deep at line {mark.line + 1}, column "
+                         f"{mark.column + 1}; a topology nests a few levels: check the brackets and dashes there",
+                         source)
 
 
 def _parse_yaml(text, source):
