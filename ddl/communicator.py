@@ -671,13 +671,13 @@ class Communicator:
         """Every rank's ``buf`` gets ``root``'s."""
         dev = self._device_for(buf)
         if dev is not None:
-            return dev.Bcast(buf, root=_root(root, self.size), stream=stream)
+            return dev.Bcast(buf, root=root, stream=stream)
         self._engine.wait(self._bcast_start(buf, root, blocking=True))
 
     def Ibcast(self, buf, root=0, stream=None):
         dev = self._device_for(buf)
         if dev is not None:
-            return dev.Ibcast(buf, root=_root(root, self.size), stream=stream)
+            return dev.Ibcast(buf, root=root, stream=stream)
         return Request(self._bcast_start(buf, root), self._engine)
 
     def Barrier(self):

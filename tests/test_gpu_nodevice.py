@@ -1088,6 +1088,20 @@ _MPI_SCRIPT = textwrap.dedent('''
         raise SystemExit("size mismatch not caught")
     except ddl.Error:
         pass
+    # an argument error on one rank only: the others raise MismatchError at once, not block in MPI
+    for call in ("Allreduce", "Bcast"):
+        try:
+            if call == "Allreduce":
+                ex.Allreduce(HostArray(np.zeros(3, np.float32)), HostArray(np.zeros(4 if rank == 1 else 3, np.float32)))
+            else:
+                ex.Bcast(HostArray(np.zeros(3, np.float32)), root=size if rank == 1 else 0)
+            raise SystemExit(f"rank {rank}: nothing raised for a {call} one rank refused")
+        except ddl.MismatchError as exc:
+            assert rank != 1 and "rank 1 called" in str(exc) and "arguments it refused" in str(exc), (rank, exc)
+        except ddl.Error as exc:
+            assert rank == 1 and "MismatchError" not in type(exc).__name__, (rank, exc)
+        out = np.empty_like(x); ex.Allreduce(HostArray(x), HostArray(out), op=ddl.SUM)
+        same(out, ref, f"Allreduce after a {call} one rank refused")
     ex.Free()
     import importlib.util
     if importlib.util.find_spec("cupy") is None:

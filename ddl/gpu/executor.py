@@ -39,6 +39,7 @@ identical on every rank, to each other path, and to the host executor.
 """
 import ctypes
 import logging
+import functools
 import os
 import socket
 import sys
@@ -418,6 +419,27 @@ class DeviceRequest:
 
 
 # ---- the executor -----------------------------------------------------------------------------------------
+_REFUSED = "refused"      # the dtype word of a refused call's description in the device agreement
+
+
+def _announced(collective):
+    """Decorates a device collective's entry as :func:`ddl.communicator._announced` does the host's: an
+    exception before the call reached an agreement is announced (:meth:`NcclExecutor._refuse`), then
+    raised."""
+    def decorate(entry):
+        @functools.wraps(entry)
+        def announcing(self, *args, **kwargs):
+            entered = self._entered
+            try:
+                return entry(self, *args, **kwargs)
+            except Exception as exc:
+                if self._entered == entered:
+                    self._refuse(collective, exc)
+                raise
+        return announcing
+    return decorate
+
+
 class NcclExecutor:
     """Device collectives of one :class:`ddl.Communicator` (see the module docstring).
 
@@ -447,6 +469,7 @@ class NcclExecutor:
         self._pinned = {}
         self._digests = {}
         self._freed = False
+        self._entered = 0         # calls that reached the agreement (see _announced)
 
     # ---- runtime and path ---------------------------------------------------------------------------
     @property
@@ -597,17 +620,22 @@ class NcclExecutor:
 
     def _agree(self, collective, count, dt, op, root, sched):
         """Cross-rank check of the call (skipped with check='off'): a mismatch raises MismatchError on
-        every rank before any data moves (NCCL has no tags: a mismatch would hang or corrupt)."""
+        every rank before any data moves (NCCL has no tags: a mismatch would hang or corrupt).
+        ``sched`` None: this rank refused the call (see :meth:`_refuse`)."""
+        self._entered += 1
         if self.size == 1 or getattr(self.comm, "check", "always") == "off":
             return
         from mpi4py import MPI
 
         from ..agreement import digest62
-        entry = self._digests.get(id(sched))
-        if entry is None or entry[0] is not sched:
-            entry = self._digests[id(sched)] = (sched, digest62(sched.to_json()))
-        desc = (collective, int(count), dt.name, op.name if op is not None else "-", int(root))
-        h = digest62(*desc, entry[1])
+        if sched is None:
+            desc, digest = (collective, -1, _REFUSED, "-", -1), 0
+        else:
+            entry = self._digests.get(id(sched))
+            if entry is None or entry[0] is not sched:
+                entry = self._digests[id(sched)] = (sched, digest62(sched.to_json()))
+            desc, digest = (collective, int(count), dt.name, op.name if op is not None else "-", int(root)), entry[1]
+        h = digest62(*desc, digest)
         buf = np.array([h, -h], np.int64)
         out = np.empty(2, np.int64)
         self._mcomm.Allreduce(buf, out, MPI.MAX)
@@ -617,9 +645,29 @@ class NcclExecutor:
         groups = {}
         for r, d in enumerate(table):
             groups.setdefault(d, []).append(r)
-        parts = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} called {d[0]} with {d[1]} {d[2]} "
-                 f"(op {d[3]}, root {d[4]})" for d, rs in groups.items()]
+        parts = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} called {d[0]} "
+                 + ("with arguments it refused (its own error says why)" if d[2] == _REFUSED else
+                    f"with {d[1]} {d[2]} (op {d[3]}, root {d[4]})") for d, rs in groups.items()]
         raise MismatchError("ranks disagree on a device collective: " + "; ".join(parts))
+
+    def _refuse(self, collective, exc):
+        """This rank refused a ``collective`` call (``exc``) before it reached the agreement: enter the
+        refusal where the other ranks wait for this call -- the host communicator's agreement on the
+        host-staged path, the device agreement otherwise (after the path choice, itself collective) --
+        so that they raise MismatchError at once instead of blocking in MPI."""
+        if self.size == 1 or self._freed:
+            return
+        try:
+            staged = self._choose_path() == "host-staged"
+        except Exception:          # no runtime to choose with: nothing more to say than exc
+            return
+        if staged:
+            self.comm._announce_refusal(collective, exc)
+            return
+        try:
+            self._agree(collective, -1, None, None, -1, None)
+        except MismatchError:
+            exc.add_note("ddl: the other ranks were told; those that called correctly raise MismatchError")
 
     # ---- the collectives -----------------------------------------------------------------------------------
     def _run(self, layout, send, recv, count, op, root, stream, sig_count):
@@ -696,6 +744,7 @@ class NcclExecutor:
         rt.synchronize(s)
         c = self.comm
         sb = hsend if send is not None else IN_PLACE
+        self._entered += 1         # the host communicator's agreement takes it from here
         if layout.startswith("allreduce"):
             c.Allreduce(sb, hrecv, op)
         elif layout.startswith("reduce_scatter"):
@@ -742,6 +791,7 @@ class NcclExecutor:
                 return int(v)
         return None
 
+    @_announced("allreduce")
     def _allreduce(self, sendbuf, recvbuf, op, stream):
         send, recv, op = self._reduction_args(sendbuf, recvbuf, op, "Allreduce", stream)
         if send is None or (send.ptr == recv.ptr and send.count == recv.count and send.count):
@@ -750,6 +800,7 @@ class NcclExecutor:
             raise Error(f"Allreduce: sendbuf has {send.count} elements but recvbuf {recv.count}; they must match")
         return self._run("allreduce", send, recv, recv.count, op, 0, stream, recv.count)
 
+    @_announced("reduce_scatter")
     def _reduce_scatter(self, sendbuf, recvbuf, op, stream):
         send, recv, op = self._reduction_args(sendbuf, recvbuf, op, "Reduce_scatter_block", stream)
         p = self.size
@@ -762,6 +813,7 @@ class NcclExecutor:
                         f"elements for a recvbuf of {recv.count}, got {send.count}")
         return self._run("reduce_scatter", send, recv, send.count, op, 0, stream, recv.count)
 
+    @_announced("allgather")
     def _allgather(self, sendbuf, recvbuf, stream):
         p = self.size
         recv = parse_device_buffer(recvbuf, "recvbuf", writable=True, stream=self._stream_handle(stream))
@@ -778,10 +830,10 @@ class NcclExecutor:
         _no_overlap(send, recv, "Allgather")
         return self._run("allgather", send, recv, recv.count, None, 0, stream, send.count)
 
+    @_announced("broadcast")
     def _bcast(self, buf, root, stream):
-        root = int(root)
-        if not 0 <= root < self.size:
-            raise Error(f"Bcast: root {root} is not a rank of this communicator (size {self.size})")
+        from ..communicator import _root
+        root = _root(root, self.size)
         b = parse_device_buffer(buf, "buf", writable=True, stream=self._stream_handle(stream))
         return self._run("broadcast", None, b, b.count, None, root, stream, b.count)
 
