@@ -46,6 +46,7 @@ only if the salts collide (1 in 64 with MPICH's tag range; ``TagSpace.salt_bits`
 the same ``check`` mode (verified when the Communicator is created). "new" and "off" use the MPI
 implementation of the check.
 """
+import functools
 import hashlib
 
 import numpy as np
@@ -129,6 +130,25 @@ def refusal(collective, topology_digest, mode="always"):
     sig.vector[_COLL] = COLLECTIVE_CODES[collective] + REFUSED
     sig.base = digest62(*sig.vector[1:].tolist())
     return sig
+
+
+def announced(collective, counter, refuse):
+    """Decorator of a collective's entry method: when it raises before the call reached the agreement
+    (the object's ``counter`` attribute, which every call that reaches it advances, did not move), the
+    object's ``refuse(collective, exc)`` method announces the refusal to the other ranks first, then
+    the exception goes on. Nested entries announce once: the inner one has moved the counter."""
+    def decorate(entry):
+        @functools.wraps(entry)
+        def announcing(self, *args, **kwargs):
+            before = getattr(self, counter)
+            try:
+                return entry(self, *args, **kwargs)
+            except Exception as exc:
+                if getattr(self, counter) == before:
+                    getattr(self, refuse)(collective, exc)
+                raise
+        return announcing
+    return decorate
 
 
 def _refused(vec):

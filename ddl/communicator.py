@@ -56,7 +56,7 @@ import os
 
 import numpy as np
 
-from .agreement import CHECK_MODES, ShmBoard, Signature, digest62, format_ranks, refusal
+from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, format_ranks, refusal
 from .buffers import IN_PLACE, is_in_place, parse_buffer
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
@@ -165,25 +165,10 @@ _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "a
           "broadcast": "Bcast"}
 
 
-def _announced(collective):
-    """Decorates a host collective's entry: when this rank refuses the call (any exception before the
-    call entered the engine: a :class:`ddl.Error`, or numpy's own on an argument it cannot read), the
-    refusal goes through the agreement first (:func:`ddl.agreement.refusal`), so the ranks that called
-    correctly raise MismatchError naming this rank at once instead of waiting ``stall_timeout`` for it,
-    and the call sequences stay in step; then this rank raises its own error. Nested entries announce
-    once: the inner one has taken the call's sequence number by the time the outer one sees it."""
-    def decorate(start):
-        @functools.wraps(start)
-        def announcing(self, *args, **kwargs):
-            seq = self._seq
-            try:
-                return start(self, *args, **kwargs)
-            except Exception as exc:
-                if self._seq == seq:
-                    self._announce_refusal(collective, exc)
-                raise
-        return announcing
-    return decorate
+# A host collective's entry: an exception before the call took its sequence number (any: a ddl.Error, or
+# numpy's own on an argument it cannot read) is announced to the other ranks first (see
+# Communicator._announce_refusal), so the call sequences stay in step; nested entries announce once.
+_announced = functools.partial(announced, counter="_seq", refuse="_announce_refusal")
 
 
 class Communicator:

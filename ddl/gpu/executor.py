@@ -47,6 +47,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..agreement import announced
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
 from ..ops import LOGICAL, SUM, check_op_dtype, reduce_into, resolve_op
@@ -422,22 +423,9 @@ class DeviceRequest:
 _REFUSED = "refused"      # the dtype word of a refused call's description in the device agreement
 
 
-def _announced(collective):
-    """Decorates a device collective's entry as :func:`ddl.communicator._announced` does the host's: an
-    exception before the call reached an agreement is announced (:meth:`NcclExecutor._refuse`), then
-    raised."""
-    def decorate(entry):
-        @functools.wraps(entry)
-        def announcing(self, *args, **kwargs):
-            entered = self._entered
-            try:
-                return entry(self, *args, **kwargs)
-            except Exception as exc:
-                if self._entered == entered:
-                    self._refuse(collective, exc)
-                raise
-        return announcing
-    return decorate
+# A device collective's entry: an exception before the call reached an agreement is announced
+# (NcclExecutor._refuse), then raised, as on the host (ddl.agreement.announced).
+_announced = functools.partial(announced, counter="_entered", refuse="_refuse")
 
 
 class NcclExecutor:
