@@ -497,15 +497,10 @@ class Communicator:
         outcome is added to ``exc`` as a note when the other ranks did not all refuse it too."""
         if self.size == 1 or self.check != "always" or self._freed or self._engine.broken is not None:
             return
-        sig = refusal(collective, self._topology_digest, self.check)
         seq = self._seq
-        self._seq = seq + 1
-        ex = Execution(None, seq, sig, True, f"{_LABEL[collective]} (refused)", None, None)
-        ex.sig_hash = sig.hash(seq)
-        ex.salt = sig.base
         try:
-            self._engine.start(ex)
-            self._engine.wait(ex)
+            self._engine.wait(self._agreement_only(refusal(collective, self._topology_digest, self.check),
+                                                   f"{_LABEL[collective]} (refused)"))
         except MismatchError:
             exc.add_note(f"ddl: the other ranks were told; those that called correctly raise MismatchError "
                          f"for ddl collective #{seq}")
@@ -679,11 +674,15 @@ class Communicator:
         entry = self._plans.get(key)
         if entry is None:
             entry = self._plans[key] = Signature("barrier", 0, None, None, 0, 0, self._topology_digest, self.check)
+        return self._agreement_only(entry, "Barrier()")
+
+    def _agreement_only(self, sig, label):
+        """Start a collective that is its agreement and nothing else (a barrier, a refusal)."""
         seq = self._seq
         self._seq = seq + 1
-        ex = Execution(None, seq, entry, self.size > 1, "Barrier()", None, None)
-        ex.sig_hash = entry.hash(seq)
-        ex.salt = entry.base
+        ex = Execution(None, seq, sig, self.size > 1, label, None, None)
+        ex.sig_hash = sig.hash(seq)
+        ex.salt = sig.base
         self._engine.start(ex)
         return ex
 

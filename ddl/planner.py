@@ -290,15 +290,15 @@ class Planner:
                 Path(tmp).unlink(missing_ok=True)
 
 
-def _key(collective, nbytes, algorithm, root):
-    """The caches' key of a call: its size class, and its root for broadcast only (the other
-    collectives have none, so any root asks for the same plan)."""
-    return (collective, root if collective == "broadcast" else 0, algorithm, size_class(nbytes))
-
-
 def _pin_key(collective, root):
-    """A pinned schedule serves every size and algorithm of its collective (and root, for broadcast)."""
+    """A call's collective, and its root for broadcast only (the other collectives have none, so any
+    root asks for the same plan). A pinned schedule serves every size and algorithm of its key."""
     return collective, root if collective == "broadcast" else 0
+
+
+def _key(collective, nbytes, algorithm, root):
+    """The caches' key of a call: :func:`_pin_key`, the algorithm and the size class."""
+    return (*_pin_key(collective, root), algorithm, size_class(nbytes))
 
 
 _FORKED = None     # what forked workers inherit (see _predict)

@@ -38,8 +38,8 @@ device); keep the buffers alive until then. The other paths return when the resu
 identical on every rank, to each other path, and to the host executor.
 """
 import ctypes
-import logging
 import functools
+import logging
 import os
 import socket
 import sys
