@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .cli import check_output_file
 from .errors import Error, PlanError
 from .units import format_seconds, format_size, parse_size
 
@@ -223,17 +224,11 @@ def scaled_topology(topo, scale):
 
 
 def check_plot_path(path):
-    """Fail before a long run, not after it: the folder must exist and matplotlib know the format."""
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise Error(f"--plot {path}: folder {folder} does not exist")
+    """Fail before a long run, not after it: a file that can be written, in a format matplotlib knows."""
+    check_output_file("--plot", path, "bench.png")
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in ("png", "pdf", "svg", "jpg", "jpeg"):
         raise Error(f"--plot {path}: write a .png, .pdf, .svg or .jpg file")
-    if os.path.isdir(path):
-        raise Error(f"--plot {path} is a folder: name the file to write in it")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise Error(f"--plot {path}: {'the file' if os.path.exists(path) else f'folder {folder}'} is not writable")
 
 
 # ---- buffers and the expected result -------------------------------------------------------------------

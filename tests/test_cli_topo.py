@@ -1,10 +1,13 @@
 """``ddl topo validate | show | draw`` through the real command line (a subprocess each)."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ddl import Error
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "topologies"
@@ -132,7 +135,7 @@ def test_draw_says_the_file_it_wrote_and_refuses_a_folder_or_a_huge_dpi(tmp_path
     assert (tmp_path / "picture.png").read_bytes()[:4] == b"\x89PNG"
     for folder in (str(tmp_path), str(tmp_path / "new") + os.sep):   # an existing folder, or a name ending in /
         proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", folder)
-        assert proc.returncode == 2 and "names a folder" in proc.stderr and len(proc.stderr.splitlines()) == 1
+        assert proc.returncode == 2 and "is a folder: name the file" in proc.stderr and len(proc.stderr.splitlines()) == 1
     proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "x.png", "--dpi", "100000")
     assert proc.returncode == 2 and "--dpi 100000: from 1 to 1200" in proc.stderr
     assert not (tmp_path / "x.png").exists()
@@ -159,3 +162,23 @@ def test_reader_that_stops_early_gets_no_traceback():
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 141, err
     assert err == b"", err
+
+
+def test_every_option_that_writes_a_file_checks_it_in_the_same_words(tmp_path):
+    """``ddl plan --save``, ``ddl bench --plot`` and ``ddl topo draw -o`` share one check, run before the work."""
+    from ddl.cli import check_output_file
+    a_file = tmp_path / "taken.txt"
+    a_file.write_text("x")
+    cases = [("", "--save needs a file name, e.g. --save plan.json"),
+             (str(tmp_path), f"--save {tmp_path} is a folder: name the file, e.g. {tmp_path / 'plan.json'}"),
+             (str(tmp_path / "new") + os.sep, "is a folder: name the file"),
+             (str(tmp_path / "missing" / "p.json"), f"folder {tmp_path / 'missing'} does not exist"),
+             (str(a_file / "p.json"), f"folder {a_file} is not a folder")]
+    for path, says in cases:
+        with pytest.raises(Error, match=re.escape(says)):
+            check_output_file("--save", path, "plan.json")
+    check_output_file("--save", str(tmp_path / "fine.json"), "plan.json")
+    assert not (tmp_path / "fine.json").exists()         # checked, not created
+    missing = tmp_path / "missing" / "t.png"
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", missing)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"ddl: error: -o {missing}: folder {missing.parent} does not exist"

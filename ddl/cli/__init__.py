@@ -25,6 +25,22 @@ def launcher_rank():
     return 0
 
 
+def check_output_file(option, path, example):
+    """Fail before the work, not after it: ``path`` (given with ``option``) must name a file that can be
+    written, in a folder that exists. One wording for every option that writes a file; ``example`` is
+    the file name a message suggests."""
+    if not path.strip():
+        raise Error(f"{option} needs a file name, e.g. {option} {example}")
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise Error(f"{option} {path} is a folder: name the file, e.g. {os.path.join(path, example)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise Error(f"{option} {path}: folder {folder} {what}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise Error(f"{option} {path}: {'the file' if os.path.exists(path) else f'folder {folder}'} is not writable")
+
+
 class _Parser(argparse.ArgumentParser):
     """Under mpiexec every rank reads the same arguments: a mistake in them is said once, by rank 0."""
 

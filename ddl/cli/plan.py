@@ -5,6 +5,7 @@ import os
 from ..errors import PlanError, ScheduleError
 from ..schedule import COLLECTIVES, Schedule
 from ..units import format_bandwidth, format_seconds, format_size, parse_size
+from . import check_output_file
 
 TIMELINE_SLICES = 60      # --timeline: the run cut into this many equal slices
 TIMELINE_LEVELS = " .:-=+*#%@"   # idle ... full, a tenth per step
@@ -82,15 +83,9 @@ def run(args):
     if args.root and args.collective != "broadcast":
         raise PlanError(f"--root {args.root}: {args.collective} has no root (--root is for --collective broadcast)")
     if args.save is not None:
-        if not args.save.strip():
-            raise PlanError("--save needs a file name, e.g. --save plan.json")
+        check_output_file("--save", args.save, "plan.json")
         if os.path.exists(args.save) and any(os.path.exists(f) and os.path.samefile(args.save, f) for f in args.files):
             raise PlanError(f"--save {args.save} is the topology file itself: name another file for the schedule")
-        folder = os.path.dirname(os.path.abspath(args.save))
-        if os.path.isdir(args.save) or args.save.endswith(os.sep):
-            raise PlanError(f"--save {args.save} is a folder: name the file, e.g. {os.path.join(args.save, 'plan.json')}")
-        if not os.path.isdir(folder):
-            raise PlanError(f"--save {args.save}: {folder} is not a folder")
     topos = []
     for path in args.files:            # every file read and checked before any is planned
         topo = Topology.load(path)

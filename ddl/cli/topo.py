@@ -17,6 +17,7 @@ from collections import Counter, OrderedDict, defaultdict, deque
 from .. import bounds
 from ..errors import Error
 from ..units import format_bandwidth
+from . import check_output_file
 
 KIND_STYLE = OrderedDict([
     # kind: (face colour, marker)
@@ -567,11 +568,7 @@ def draw(topo, output, dpi=120):
 def cmd_draw(args):
     topo = _load(args.file)
     output = args.output or os.path.splitext(os.path.basename(args.file))[0] + ".png"
-    directory = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(directory):
-        raise Error(f"{output}: directory {directory} does not exist")
-    if os.path.isdir(output) or output.endswith(os.sep):
-        raise Error(f"{output} names a folder: name the image file to write, e.g. {os.path.join(output, 'topo.png')}")
+    check_output_file("-o", output, "topo.png")
     if not os.path.splitext(output)[1]:
         output += ".png"               # what matplotlib would write: say so instead of another name
     if not 0 < args.dpi <= MAX_DPI:
