@@ -234,12 +234,12 @@ def _repair(region, st, now):
     state in place (settling virtual time at ``now`` before a rate changes) and returns the bundles
     whose rate changed.
     """
-    rate, weight, links_of, link_bundles = st.rate, st.m, st.links, st.link_bundles
+    rate, link_bundles = st.rate, st.link_bundles
     held, load, capacity = st.held, st.load, st.cap
     changed = set()
     check = _CHECK
     while True:
-        new, neck, members = _fill_region(region, links_of, weight, rate, load, capacity)
+        new, neck, members = _fill_region(region, st)
         for b, r in new.items():
             if st.set_rate(b, r, now):
                 changed.add(b)
@@ -295,14 +295,15 @@ def _private_change(b, rate, st):
     return True
 
 
-def _fill_region(region, bundle_links, weight, rate, load, capacity):
+def _fill_region(region, st):
     """Weighted max-min fair rates of ``region`` with the usage of every other bundle held fixed.
 
-    ``load[l]`` is the current usage of link ``l`` by all bundles. Returns ``({bundle: per-flow rate},
-    {bundle: bottleneck link}, {link: region bundles on it})``. A link that carries one bundle of the
-    region only caps that bundle, so only links shared within the region take part in the (Python)
-    filling; large regions go to :func:`max_min_rates` (numpy).
+    ``st.load[l]`` is the current usage of link ``l`` by all bundles. Returns ``({bundle: per-flow
+    rate}, {bundle: bottleneck link}, {link: region bundles on it})``. A link that carries one bundle of
+    the region only caps that bundle, so only links shared within the region take part in the (Python)
+    filling; large regions go to :func:`max_min_rates` (numpy), on the state's padded link table.
     """
+    bundle_links, weight, rate, load, capacity = st.links, st.m, st.rate, st.load, st.cap
     members = {}
     for b in region:
         for l in bundle_links[b]:
@@ -320,16 +321,10 @@ def _fill_region(region, bundle_links, weight, rate, load, capacity):
         residual[l] = r if r > 0.0 else 0.0
     if len(region) > NUMPY_BUNDLES:
         order = list(region)
-        links = list(residual)
-        index = {l: i for i, l in enumerate(links)}
-        hops = max(len(bundle_links[b]) for b in order)
-        mat = np.full((len(order), hops), -1, dtype=np.int64)
-        for k, b in enumerate(order):
-            ids = bundle_links[b]
-            mat[k, :len(ids)] = [index[l] for l in ids]
-        rates, neck = max_min_rates(mat, np.array([residual[l] for l in links]), [weight[b] for b in order],
-                                    bottlenecks=True)
-        return (dict(zip(order, rates.tolist())), {b: links[i] for b, i in zip(order, neck.tolist())}, members)
+        residual_of = np.zeros(len(capacity))
+        residual_of[list(residual)] = list(residual.values())
+        rates, neck = max_min_rates(st.link_table[order], residual_of, [weight[b] for b in order], bottlenecks=True)
+        return dict(zip(order, rates.tolist())), dict(zip(order, neck.tolist())), members
     # Progressive filling as a sequence of events in the common level: a bundle reaches the cap of
     # the links it has to itself, or a shared link fills up (at level remaining / unfrozen flows).
     heappush, heappop = heapq.heappush, heapq.heappop
@@ -462,6 +457,10 @@ class _State:
     def __init__(self, fabric):
         nb, nl = len(fabric.bundle_links), len(fabric.caps)
         self.links = fabric.bundle_links       # bundle -> its links
+        hops = max(map(len, self.links), default=0)
+        self.link_table = np.full((nb, hops), -1, dtype=np.int64)   # the same, padded with -1 (numpy)
+        for b, ids in enumerate(self.links):
+            self.link_table[b, :len(ids)] = ids
         self.cap = fabric.caps
         self.m = [0] * nb                      # active flows of the bundle
         self.v = [0.0] * nb                    # virtual time: bytes served per flow ...
