@@ -56,6 +56,7 @@ from .errors import MismatchError
 COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
 COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier"}
 REFUSED = 16   # collective code + REFUSED: a call whose arguments its rank refused (see refusal)
+GROUPED = 32   # collective code + GROUPED: the arrays of a grouped call (see grouped)
 CHECK_MODES = ("always", "new", "off")
 _MASK62 = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -132,6 +133,24 @@ def refusal(collective, topology_digest, mode="always"):
     return sig
 
 
+def grouped(arrays, op, topology_digest, mode="always"):
+    """The signature of a grouped allreduce's arrays, which its ranks agree on before its collectives
+    start: they run one collective per dtype, so ranks that passed different dtypes would otherwise
+    start different numbers of collectives and fall out of step. It holds the number of arrays, of
+    elements and of dtypes, and a digest of every array's dtype and size in order."""
+    dtypes = {a.dtype for a in arrays}
+    layout = digest62(*(f"{a.dtype.str}:{a.size}" for a in arrays))
+    sig = Signature("allreduce", sum(a.size for a in arrays), None, op, len(dtypes), layout, topology_digest, mode)
+    sig.vector[_COLL] = COLLECTIVE_CODES["allreduce"] + GROUPED
+    sig.vector[_ITEMSIZE] = len(arrays)
+    sig.base = digest62(*sig.vector[1:].tolist())
+    return sig
+
+
+def _grouped(vec):
+    return int(vec[_COLL]) == COLLECTIVE_CODES["allreduce"] + GROUPED
+
+
 def announced(collective, counter, refuse):
     """Decorator of a collective's entry method: when it raises before the call reached the agreement
     (the object's ``counter`` attribute, which every call that reaches it advances, did not move), the
@@ -152,7 +171,7 @@ def announced(collective, counter, refuse):
 
 
 def _refused(vec):
-    return int(vec[_COLL]) > REFUSED
+    return REFUSED < int(vec[_COLL]) < GROUPED
 
 
 def check_buffer(sig_hash):
@@ -174,6 +193,10 @@ def describe(vec):
     if _refused(vec):
         name = COLLECTIVE_NAMES.get(int(vec[_COLL]) - REFUSED, "a collective")
         return f"{name} with arguments it refused (its own error says why)"
+    if _grouped(vec):
+        ndtypes = int(vec[_ROOT])
+        return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in {ndtypes} "
+                f"dtype{'s' if ndtypes != 1 else ''} ({op_from_code(vec[_OP]).name})")
     name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
     if int(vec[_COLL]) == COLLECTIVE_CODES["barrier"]:
         return name
@@ -208,6 +231,11 @@ _FIELDS = ((_SEQ, "call sequence (a rank skipped or added a ddl collective)"), (
 
 _CALL_FIELDS = (_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT)
 
+# The same fields where every rank made a grouped call (see grouped).
+_GROUPED_FIELDS = ((_SEQ, _FIELDS[0][1]), (_COUNT, "number of elements"), (_ITEMSIZE, "number of arrays"),
+                   (_ROOT, "number of dtypes"), (_SCHED, "the arrays' dtypes or sizes"), (_OP, "op"),
+                   (_TOPO, "topology"), (_MODE, "check mode"))
+
 
 def mismatch_error(table, seq, rank):
     """:class:`ddl.MismatchError` built from the gathered signature vectors (``table[r]`` = rank r's)."""
@@ -225,12 +253,13 @@ def mismatch_error(table, seq, rank):
         text = describe(vec)
         if len({v[_SEQ] for v in groups}) > 1:
             text += f" as its ddl collective #{vec[_SEQ]}"
-        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1 and not (refused or call_differs):
+        if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1 and not (refused or call_differs or _grouped(vec)):
             text += f" [schedule {vec[_SCHED]:016x}, topology {vec[_TOPO]:016x}]"
         parts.append(f"{format_ranks(ranks)} called {text}")
+    all_grouped = all(_grouped(v) for v in rows)
     differs = []
-    for idx, label in () if refused else _FIELDS:
-        if idx == _SCHED and call_differs:
+    for idx, label in () if refused else _GROUPED_FIELDS if all_grouped else _FIELDS:
+        if idx == _SCHED and call_differs and not all_grouped:
             continue
         if len({row[idx] for row in rows}) > 1 and label not in differs:
             differs.append(label)

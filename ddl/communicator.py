@@ -56,7 +56,7 @@ import os
 
 import numpy as np
 
-from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, format_ranks, refusal
+from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, format_ranks, grouped, refusal
 from .buffers import IN_PLACE, is_in_place, parse_buffer
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
@@ -706,7 +706,15 @@ class Communicator:
 
     @_announced("allreduce")
     def grouped_iallreduce(self, arrays, op=SUM):
+        """Nonblocking :meth:`grouped_allreduce`. With ``check="always"`` it first waits until every
+        rank has called it with the same dtypes and sizes (else MismatchError on every rank): each rank
+        then starts the same collectives, one per dtype, so a mismatch cannot leave one of them behind
+        to pair with a later call."""
         arrays = [_numbers(a, "grouped_allreduce") for a in arrays]
+        op = resolve_op(op)
+        if self.size > 1 and self.check == "always":
+            self._engine.wait(self._agreement_only(grouped(arrays, op, self._topology_digest, self.check),
+                                                   f"grouped_allreduce({len(arrays)} arrays)"))
         groups = {}
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype, []).append(i)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ddl
-from ddl.agreement import Signature, describe, format_ranks, mismatch_error, refusal
+from ddl.agreement import Signature, describe, format_ranks, grouped, mismatch_error, refusal
 from ddl.buffers import IN_PLACE, is_in_place, parse_buffer, resolve_dtype
 from ddl.executor import (C_RECV_DIRECT, C_RECV_LATE, C_RECV_SCRATCH, C_REDUCE_EARLY, C_REDUCE_LATE, C_SEND,
                           CompiledPlan, TagSpace)
@@ -124,6 +124,23 @@ def test_a_refused_call_is_named_without_field_noise():
     assert refusal("allreduce", 22).hash(7) == refused.hash(7)
     assert len({refused.hash(7), refusal("broadcast", 22).hash(7), good.hash(7)}) == 3
     assert describe(refusal("broadcast", 22).vector).startswith("Bcast with arguments it refused")
+
+def test_a_grouped_call_agrees_on_every_array_and_says_what_differs():
+    two = grouped([np.ones(3), np.ones(2, np.float32)], ddl.SUM, 22)
+    one = grouped([np.ones(3), np.ones(2)], ddl.SUM, 22)
+    swapped = grouped([np.ones(2), np.ones(3)], ddl.SUM, 22)
+    assert describe(two.vector) == "grouped_allreduce of 2 arrays, 5 elements in 2 dtypes (SUM)"
+    assert describe(one.vector) == "grouped_allreduce of 2 arrays, 5 elements in 1 dtype (SUM)"
+    assert len({two.hash(3), one.hash(3), swapped.hash(3), grouped([np.ones(3), np.ones(2)], ddl.MAX, 22).hash(3)}) == 4
+    assert grouped([np.zeros(3), np.zeros(2)], ddl.SUM, 22).hash(3) == one.hash(3)   # the values do not count
+    text = str(mismatch_error([one.with_seq(3), two.with_seq(3)], 3, rank=0))
+    assert "rank 1 called grouped_allreduce of 2 arrays, 5 elements in 2 dtypes (SUM)" in text
+    assert "[differs in: number of dtypes, the arrays' dtypes or sizes]" in text, text
+    assert "[differs in: the arrays' dtypes or sizes]" in str(mismatch_error([one.with_seq(3), swapped.with_seq(3)], 3, 0))
+    plain = Signature("allreduce", 5, np.dtype(np.float64), ddl.SUM, 0, 11, 22)
+    text = str(mismatch_error([plain.with_seq(3), one.with_seq(3)], 3, rank=0))
+    assert "rank 0 called Allreduce with 5 float64 (SUM); rank 1 called grouped_allreduce" in text, text
+
 
 def test_tag_space_fits_tag_ub():
     for ub in (32767, 2 ** 21 - 1, 2 ** 29 - 1, 2 ** 31 - 1):

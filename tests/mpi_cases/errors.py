@@ -197,6 +197,24 @@ one_rank_refuses("ragged list on one rank", 1 % p, lambda: comm.allreduce([1.0, 
 chk.ok(np.array_equal(comm.allreduce(np.full(2, r + 1.0)), np.full(2, p * (p + 1) / 2)), "allreduce after a refusal")
 one_rank_refuses("grouped_allreduce of a ragged list on one rank", last, lambda: comm.grouped_allreduce([np.ones(2)]),
                  lambda: comm.grouped_allreduce([[[1.0], [2.0, 3.0]]]), ["inhomogeneous"])
+# grouped calls run one collective per dtype: ranks that pass different dtypes or sizes must all raise, and
+# start none of them (a collective started on one rank only once paired with the next call: wrong sums)
+for label, mine, says in (
+        ("a dtype more on one rank", [np.ones(3), np.ones(2, np.float32)], ["number of dtypes"]),
+        ("array sizes that differ on one rank, same total", [np.ones(2), np.ones(3)], ["the arrays' dtypes or sizes"])):
+    arrays = mine if r == last else [np.ones(3), np.ones(2)]
+    expect(ddl.MismatchError, lambda: comm.grouped_allreduce(arrays), "grouped_allreduce of 2 arrays, 5 elements in",
+           *says, label=f"grouped_allreduce with {label}")
+    still_works(f"grouped_allreduce with {label}")
+    req = comm.Iallreduce(ddl.IN_PLACE, np.full(2, r + 1.0))      # an in-flight call does not confuse the next
+    out = comm.grouped_allreduce([np.full(3, r + 1.0), np.full(2, r + 1, np.int32)])
+    req.Wait()
+    chk.ok(np.all(out[0] == p * (p + 1) / 2) and np.all(out[1] == p * (p + 1) // 2) and out[1].dtype == np.int32,
+           f"grouped_allreduce after {label}: {out}")
+expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(5)) if r == last else comm.grouped_allreduce(
+    [np.ones(3), np.ones(2)]), f"rank {last} called Allreduce with 5 float64", "called grouped_allreduce of 2 arrays",
+    label="a grouped call against a plain one")
+still_works("a grouped call against a plain one")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), "abc", "d"]), "count must be an integer", "'abc'",
        label="a count that is a string")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), 2.7, "d"]), "count must be an integer", "2.7",
