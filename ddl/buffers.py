@@ -98,12 +98,36 @@ def _as_array(obj, what):
     if hasattr(obj, "__array_interface__"):
         return np.asarray(obj)
     if hasattr(obj, "__dlpack__"):
+        bf16 = torch_bfloat16(obj, what)
+        if bf16 is not None:
+            return bf16
         try:
             return np.from_dlpack(obj)
         except Exception as exc:
-            raise Error(f"{what}: cannot access its memory via DLPack ({exc}); pass a CPU array") from None
+            on_cpu = getattr(obj, "__dlpack_device__", lambda: (1, 0))()[0] == 1
+            raise Error(f"{what}: cannot access its memory via DLPack ({exc})"
+                        + ("" if on_cpu else "; pass a CPU array")) from None
     raise Error(f"{what} must be a numpy array or an object with the buffer protocol, got {type(obj).__name__}"
                 f" (lists are not buffers: use numpy.array(...))")
+
+
+def torch_bfloat16(obj, what):
+    """A torch bfloat16 tensor on the CPU as a numpy bfloat16 array on the same memory, or None for
+    anything else: numpy's DLPack import has no bfloat16 (ml_dtypes gives numpy one), so the tensor's
+    bits go through an int16 view. Looks for torch only where the program imported it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or obj.dtype != torch.bfloat16 or obj.device.type != "cpu":
+        return None
+    if obj.requires_grad:             # as DLPack refuses such tensors of other dtypes
+        raise Error(f"{what}: the tensor requires gradient: pass tensor.detach()")
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise Error("bfloat16 tensors need ml_dtypes: pip install ml_dtypes") from None
+    try:
+        return np.from_dlpack(obj.view(torch.int16)).view(ml_dtypes.bfloat16)
+    except (RuntimeError, TypeError, ValueError, BufferError) as exc:   # e.g. a tensor that requires grad
+        raise Error(f"{what}: cannot access the bfloat16 tensor's memory ({exc})") from None
 
 
 def flat_view(arr, what):

@@ -57,7 +57,7 @@ import os
 import numpy as np
 
 from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, format_ranks, grouped, refusal
-from .buffers import IN_PLACE, is_in_place, parse_buffer
+from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import CompiledPlan, Engine, Execution, _env_float, _env_int
@@ -155,9 +155,11 @@ def _numbers(array, what):
     """``array`` as a C-ordered numpy array, or a :class:`ddl.Error` saying why it is none (a ragged
     list, say), rather than numpy's ValueError."""
     try:
-        arr = np.asarray(array)
-    except (TypeError, ValueError) as exc:
-        raise Error(f"{what}: the argument is not an array of numbers ({exc})") from None
+        arr = torch_bfloat16(array, what)
+        if arr is None:
+            arr = np.asarray(array)
+    except (TypeError, ValueError, RuntimeError) as exc:   # RuntimeError: torch's (a tensor that requires grad)
+        raise Error(f"{what}: the argument cannot be read as an array of numbers ({exc})") from None
     return arr if arr.flags.c_contiguous else arr.copy(order="C")   # (ascontiguousarray makes 0-d 1-d)
 
 

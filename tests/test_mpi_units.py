@@ -93,6 +93,23 @@ def test_buffer_specs():
     assert resolve_dtype(MPI.DOUBLE) == np.float64 and resolve_dtype("i8") == np.int64
 
 
+def test_torch_tensors_of_bfloat16_are_buffers_and_a_tensor_that_requires_grad_is_refused_clearly():
+    torch = pytest.importorskip("torch")
+    ml = pytest.importorskip("ml_dtypes")
+    from ddl.communicator import _numbers
+    t = torch.full((4,), 1.5, dtype=torch.bfloat16)
+    v = parse_buffer(t, "recvbuf", writable=True)        # numpy's DLPack import alone has no bfloat16
+    assert v.dtype == np.dtype(ml.bfloat16) and v.astype(np.float32).tolist() == [1.5] * 4
+    v[:] = np.array([2.0, 3.0, 4.0, 5.0], ml.bfloat16)   # the tensor's own memory
+    assert t.tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert _numbers(torch.ones(3, dtype=torch.bfloat16), "allreduce").dtype == np.dtype(ml.bfloat16)
+    for tensor in (torch.ones(3, requires_grad=True), torch.ones(3, dtype=torch.bfloat16, requires_grad=True)):
+        with pytest.raises(ddl.Error, match="recvbuf: .*(require|gradient)"):
+            parse_buffer(tensor, "recvbuf", writable=True)
+        with pytest.raises(ddl.Error, match="allreduce: .*grad"):
+            _numbers(tensor, "allreduce")
+
+
 def test_format_ranks():
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7, 8"
