@@ -102,6 +102,7 @@ _CODE_NAMES = {C_SEND: "send", C_RECV_DIRECT: "recv", C_RECV_SCRATCH: "recv", C_
 STATUS_TAG = 7  # on the signature communicator, never the data one
 _VIEW_CACHE_BYTES = 1 << 20  # plans up to this size cache their per-op views (see CompiledPlan.views)
 _EAGER_TEST = 4096           # sends up to this size are tested for completion right after MPI_Isend
+SCRATCH_BYTES = 1 << 30       # scratch kept for reuse, all plans together (env DDL_SCRATCH_BYTES; see ScratchPool)
 _ENGINES = []  # weak references to every live engine of this process (see Engine.poll); a plain list: len() is cheap
 
 
@@ -248,7 +249,6 @@ class CompiledPlan:
         # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
         large = _env_int("DDL_LARGE_MESSAGE", 16 * 1024)
         self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
-        self._pool = []  # free (scratch, work) pairs
         self._vcache = None
 
     def views(self, bufs):
@@ -286,17 +286,53 @@ class CompiledPlan:
             self._vcache = (tuple(bufs), vs)
         return vs
 
-    def acquire(self):
-        """(scratch, work), reused across calls (fresh large arrays cost page faults)."""
-        if self._pool:
-            return self._pool.pop()
+    def resources(self):
+        """A fresh (scratch, work) pair for one call (see :class:`ScratchPool`, which reuses them)."""
         scratch = np.empty(self.scratch_elems, self.dtype) if self.scratch_elems else None
         work = np.empty(self.count, self.dtype) if self.needs_work else None
         return scratch, work
 
-    def release(self, pair):
-        if len(self._pool) < 4:
-            self._pool.append(pair)
+
+class ScratchPool:
+    """The (scratch, work) arrays of finished calls, kept for the next call of the same plan: fresh
+    large arrays cost page faults, and a training loop calls the same sizes every step. A plan keeps
+    up to ``per_plan`` pairs (calls of it in flight at once), and all plans together at most
+    ``budget`` bytes, the least recently used dropped first (but never the plan just released, however
+    large): a job whose sizes vary (a plan per exact count) would otherwise hold scratch for every
+    size it has seen."""
+
+    def __init__(self, budget, per_plan=4):
+        self.budget, self.per_plan = budget, per_plan
+        self.free = {}         # plan -> its free pairs; in order of last release, oldest first
+        self.nbytes = 0
+
+    @staticmethod
+    def _size(pair):
+        return sum(a.nbytes for a in pair if a is not None)
+
+    def acquire(self, plan):
+        pairs = self.free.get(plan)
+        if not pairs:
+            return plan.resources()
+        pair = pairs.pop()
+        self.nbytes -= self._size(pair)
+        if not pairs:
+            del self.free[plan]
+        return pair
+
+    def release(self, plan, pair):
+        pairs = self.free.pop(plan, [])
+        if len(pairs) < self.per_plan:
+            pairs.append(pair)
+            self.nbytes += self._size(pair)
+        self.free[plan] = pairs
+        while self.nbytes > self.budget and len(self.free) > 1:
+            oldest = next(iter(self.free))
+            self.nbytes -= sum(map(self._size, self.free.pop(oldest)))
+
+    def clear(self):
+        self.free.clear()
+        self.nbytes = 0
 
     def describe_op(self, k):
         code, peer, c = self.ops[k][:3]
@@ -461,6 +497,7 @@ class Engine:
         if board is not None and Doorbell.supported() and (use_bell == "1" or (use_bell == "auto" and oversubscribed)):
             self.bell = Doorbell(board, self.rank)
         self._large = 0  # in-flight collectives with multi-handshake (large) messages: no doorbell sleep
+        self.scratch = ScratchPool(_env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES))
         self._to_ring = set()  # peers sent to since the last flush (a woken peer may preempt us at once,
         #                         so we ring after issuing all the sends of a round of work)
         _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None] + [weakref.ref(self)]
@@ -550,6 +587,7 @@ class Engine:
         """The communicator was freed: stop being driven by the other engines."""
         _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None and ref() is not self]
         self.broken = self.broken or "the communicator was freed"
+        self.scratch.clear()
 
     def _add(self, req, owner):
         self.reqs.append(req)
@@ -570,7 +608,7 @@ class Engine:
             return
         if plan.large:
             self._large += 1
-        res = ex.resources = plan.acquire()
+        res = ex.resources = self.scratch.acquire(plan)
         bufs = ex.bufs
         bufs[B_SCRATCH], bufs[B_WORK] = res[0], res[1]
         views = ex.views = plan.views(bufs)
@@ -670,7 +708,7 @@ class Engine:
         except Exception as exc:  # pragma: no cover - finishing is local numpy work
             ex.error = exc
         if ex.resources is not None:
-            ex.plan.release(ex.resources)
+            self.scratch.release(ex.plan, ex.resources)
             ex.resources = None
             if ex.plan.large:
                 self._large -= 1

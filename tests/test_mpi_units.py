@@ -159,6 +159,37 @@ def test_a_grouped_call_agrees_on_every_array_and_says_what_differs():
     assert "rank 0 called Allreduce with 5 float64 (SUM); rank 1 called grouped_allreduce" in text, text
 
 
+def test_scratch_is_reused_per_plan_and_bounded_in_bytes_over_all_plans():
+    from ddl.executor import ScratchPool
+
+    class Plan:                        # what the pool needs of a CompiledPlan: fresh arrays on demand
+        def __init__(self, nbytes):
+            self.nbytes, self.made = nbytes, 0
+
+        def resources(self):
+            self.made += 1
+            return np.empty(self.nbytes, np.uint8), None
+
+    pool = ScratchPool(budget=300, per_plan=2)
+    a, b, c = Plan(100), Plan(100), Plan(1000)
+    first = pool.acquire(a)
+    pool.release(a, first)
+    assert pool.acquire(a) is first and a.made == 1           # the next call of a plan reuses its arrays
+    pool.release(a, first)
+    pool.release(b, pool.acquire(b))
+    assert pool.nbytes == 200
+    pool.release(c, pool.acquire(c))                         # over budget: the others go, oldest first ...
+    assert list(pool.free) == [c] and pool.nbytes == 1000    # ... but the plan just used stays, however large
+    pool.release(a, pool.acquire(a))
+    assert a.made == 2 and list(pool.free) == [a] and pool.nbytes == 100
+    pairs = [pool.acquire(b) for _ in range(3)]              # three calls of one plan in flight at once
+    for pair in pairs:
+        pool.release(b, pair)
+    assert len(pool.free[b]) == 2 and pool.nbytes == 300     # a plan keeps per_plan pairs
+    pool.clear()
+    assert not pool.free and pool.nbytes == 0
+
+
 def test_tag_space_fits_tag_ub():
     for ub in (32767, 2 ** 21 - 1, 2 ** 29 - 1, 2 ** 31 - 1):
         t = TagSpace(ub)
@@ -249,7 +280,7 @@ def test_a_span_whose_chunks_take_different_operand_orders_is_reduced_chunk_by_c
     assert sched.operand_order[starts[2] + 1] == (True, False)      # rank 2: reduce chunk 1, then the span
     plan = CompiledPlan(sched, 2, 4, np.dtype(np.float64), "allreduce_inplace", ufunc=np.maximum)
     recv = np.array([-0.0, -0.0, 7.0, 7.0])
-    scratch, work = plan.acquire()
+    scratch, work = plan.resources()
     views = plan.views([None, recv, work, scratch])
     k = next(k for k, o in enumerate(plan.ops) if o[2] == span and o[0] in (C_REDUCE_EARLY, C_REDUCE_LATE))
     first, segments = views[k][1], views[k][2]
