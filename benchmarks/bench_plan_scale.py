@@ -23,7 +23,7 @@ def three_tier(racks):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--racks", default="3,4,8,16", help="comma-separated rack counts (64 ranks per rack)")
     ap.add_argument("--bytes", default="256MiB")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,

@@ -781,9 +781,12 @@ _LEFT = (4, 9)  # impl and algorithm are left-aligned
 
 
 def widths_for(names):
-    """Column widths, the impl column as wide as the longest implementation name."""
+    """Column widths: the impl column as wide as the longest implementation name, the algorithm column
+    as the longest algorithm name (the rows come one by one, so every name must fit from the start)."""
+    from .algorithms import ALGORITHMS
     w = list(_WIDTHS)
     w[4] = max(w[4], *(len(n) for n in names)) if names else w[4]
+    w[9] = max(w[9], *map(len, ALGORITHMS))
     return tuple(w)
 
 

@@ -305,3 +305,18 @@ def test_plot_targets_are_checked_before_the_run(tmp_path):
     with pytest.raises(Error, match="is a folder"):
         check_plot_path(str(folder))
     check_plot_path(str(tmp_path / "fine.png"))
+
+
+def test_every_algorithm_name_fits_its_column():
+    """Rows are printed as they come, so the columns are sized for every name from the start."""
+    from ddl.algorithms import ALGORITHMS
+    from ddl.bench import _table_header, format_row, widths_for
+    widths = widths_for(["ddl", "ddl:reduce-broadcast-trees", "mpi"])
+    header = _table_header(widths).splitlines()[0]
+    for name in ALGORITHMS:
+        row = {"bytes": 1 << 20, "count": 1 << 18, "dtype": "float32", "op": "sum", "impl": "ddl", "seconds": 1e-3,
+               "algbw": 1e9, "busbw": 1e9, "wrong": 0, "algorithm": name, "predicted_seconds": 1e-3,
+               "bound_seconds": 1e-3}
+        line = format_row(row, widths)
+        assert len(line) == len(header), (name, line, header)
+        assert line.index(name) + len(name) < header.index("predicted"), (name, line)

@@ -31,7 +31,8 @@ class DeviceMemory:
         try:
             import cupy
         except ImportError as exc:
-            cupy, problem = None, f"CuPy cannot be imported ({exc}); pip install 'ddl[gpu]'"
+            cupy, problem = None, (f"CuPy cannot be imported ({exc}); pip install cupy-cuda12x, or pip install "
+                                   f"-e '.[gpu]' in ddl's source tree")
         if cupy is not None:
             try:
                 if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -466,7 +466,8 @@ class NcclExecutor:
             try:
                 self._rt = CupyRuntime()
             except ImportError as exc:
-                raise Error(f"device buffers need CuPy (pip install 'ddl[gpu]'): {exc}") from None
+                raise Error(f"device buffers need CuPy (pip install cupy-cuda12x, or pip install -e '.[gpu]' in "
+                            f"ddl's source tree): {exc}") from None
         return self._rt
 
     def _agree_all(self, flag):
