@@ -411,6 +411,20 @@ class _Fabric:
             self.lats.append(float(self.topo.latency(u, v)))
         return i
 
+    def _check_forwarding(self, where, path, ends):
+        """A pinned path must follow the rules every bound assumes (see :mod:`ddl.bounds`): no vertex
+        twice, only transit vertices in between (GPUs and ranks do not forward), and none at all where
+        the two ranks share a direct link, which transports take alone."""
+        if len(set(path)) < len(path):
+            raise ScheduleError(f"{where}: path {list(path)} passes through a vertex twice")
+        for v in path[1:-1]:
+            if v not in self.topo.usable_graph() or not self.topo.is_transit(v):
+                raise ScheduleError(f"{where}: path {list(path)} passes through {v!r}, which does not forward "
+                                    f"data (only switch, nic, host, cpu and pcie vertices that are not ranks do)")
+        if len(path) > 2 and self.topo.capacity(*ends) > 0:
+            raise ScheduleError(f"{where}: path {list(path)} goes around the direct link {ends[0]!r} -> {ends[1]!r}, "
+                                f"which transports take alone between ranks that have one")
+
     def route(self, src, dst):
         """``(bundles, shares, latency)`` of the pair: one bundle per path with a non-zero share."""
         r = self.pairs.get((src, dst))
@@ -442,6 +456,8 @@ class _Fabric:
         for path, w in merged.items():
             if len(path) < 2 or (path[0], path[-1]) != ends:
                 raise ScheduleError(f"{where}: path {list(path)} must run from {ends[0]!r} to {ends[1]!r}")
+            if pinned is not None:
+                self._check_forwarding(where, path, ends)
             ids = tuple(self.link(u, v, where) for u, v in zip(path[:-1], path[1:]))
             bundles.append(len(self.bundle_links))
             self.bundle_links.append(ids)
@@ -526,7 +542,7 @@ class _Run:
         """The rank pairs that transfers join, numbered in the order of their first send, with numpy:
         ``(pair of every op (-1 but for sends), route of every pair (as :meth:`_Fabric.route`), bytes
         every pair carries, number of transfers)``. Routes are resolved in that order too, so the first
-        pair without one is the one named."""
+        pair without one is the one named; then the pinned routes of pairs that carry nothing."""
         nranks = self.schedule.nranks
         sends = np.flatnonzero(np.array(kind) == _SEND)
         ranks = np.array(rank)
@@ -539,6 +555,8 @@ class _Run:
         send_pair = np.full(len(kind), -1, dtype=np.int64)
         send_pair[sends] = pair_of_send
         routes = [self.fabric.route(*divmod(int(key), nranks)) for key in keys[by_first]]
+        for pair in sorted(self.schedule.routes):   # pinned but unused: still checked, a wrong entry is wrong
+            self.fabric.route(*pair)
         pair_bytes = np.bincount(pair_of_send, weights=np.array(size)[sends], minlength=len(keys))
         return send_pair.tolist(), routes, pair_bytes.tolist(), len(sends)
 

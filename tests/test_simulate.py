@@ -714,3 +714,31 @@ def test_timeline_adds_up_to_the_link_bytes_and_shows_the_pipeline_fill():
     assert traced.profile(first, 10 * GB, bins=9) == pytest.approx([1.0] * 8 + [0.0], abs=1e-6)
     assert traced.profile(last, 10 * GB, bins=9) == pytest.approx([0.0] + [1.0] * 8, abs=1e-6)
     assert traced.timeline[("g2", "sw")] == ()                                      # carried nothing
+
+
+def test_pinned_routes_must_follow_the_forwarding_rules_the_bounds_assume():
+    """A hand-made route around a direct link, through a GPU outside the job, through another rank or
+    over one vertex twice is refused by name: it would be predicted far below the lower bound (or, for
+    the loop, crash the rate computation)."""
+    import dataclasses
+    nodes = [("sw", "switch"), ("sw2", "switch"), ("g0", "gpu"), ("g1", "gpu"), ("g2", "gpu"), ("gx", "gpu")]
+    links = [{"a": "g0", "b": "g1", "bandwidth": 1 * GB}, {"a": "g0", "b": "gx", "bandwidth": 10 * GB},
+             {"a": "gx", "b": "g2", "bandwidth": 10 * GB}, {"a": "g1", "b": "sw2", "bandwidth": 10 * GB},
+             {"a": "g0", "b": "sw2", "bandwidth": 10 * GB}] + \
+            [{"a": f"g{i}", "b": "sw", "bandwidth": 10 * GB} for i in range(3)]
+    topo = Topology("direct", nodes, links, ["g0", "g1", "g2"])
+    base = ring_allreduce(3)
+    assert simulate(topo, base, 1 << 20).seconds > 0
+    for pair, path, says in (((0, 1), ("g0", "sw", "g1"), "goes around the direct link 'g0' -> 'g1'"),
+                             ((2, 0), ("g2", "gx", "g0"), "passes through 'gx', which does not forward"),
+                             ((0, 2), ("g0", "gx", "g2"), "passes through 'gx', which does not forward"),
+                             ((1, 2), ("g1", "sw", "g0", "sw", "g2"), "passes through a vertex twice"),
+                             ((1, 2), ("g1", "sw", "g0", "g1", "sw", "g2"), "passes through a vertex twice")):
+        pinned = dataclasses.replace(base, routes={pair: [(path, 1.0)]})
+        with pytest.raises(ScheduleError, match=f"route {pair[0]} -> {pair[1]}: .*{says}"):
+            simulate(topo, pinned, 1 << 20)
+    through_rank = dataclasses.replace(base, routes={(2, 0): [(("g2", "sw", "g1", "sw2", "g0"), 1.0)]})
+    with pytest.raises(ScheduleError, match="route 2 -> 0: .*passes through 'g1', which does not forward"):
+        simulate(topo, through_rank, 1 << 20)
+    fine = dataclasses.replace(base, routes={(1, 2): [(("g1", "sw", "g2"), 1.0)]})
+    assert simulate(topo, fine, 1 << 20).seconds > 0
