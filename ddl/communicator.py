@@ -63,7 +63,7 @@ from .errors import Error, MismatchError, PlanError, StallError
 from .executor import CompiledPlan, Engine, Execution, _env_float, _env_int
 from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
-from .units import parse_size
+from .units import message_size
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
 
@@ -800,15 +800,12 @@ class _GroupRequest(Request):
 
 
 def _nbytes(value):
-    """A message size for :meth:`Communicator.plan` / :meth:`~Communicator.explain`: a non-negative
-    integer or a size such as ``'64MiB'``."""
+    """A message size for :meth:`Communicator.plan` / :meth:`~Communicator.explain` (see
+    :func:`ddl.units.message_size`), else a :class:`ddl.Error` saying why."""
     try:
-        nbytes = parse_size(value.item() if isinstance(value, np.integer) else value)
+        return message_size(value)
     except (TypeError, ValueError) as exc:
         raise Error(str(exc)) from None
-    if nbytes < 0:
-        raise Error(f"a message size must be a non-negative number of bytes, got {value!r}")
-    return nbytes
 
 
 def _seconds(name, value, source=None):

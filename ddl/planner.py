@@ -30,6 +30,7 @@ from pathlib import Path
 from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule, gc_paused
 from .simulate import Outpaced, simulate
+from .units import message_size
 from .verify import Abandoned, verify
 
 AUTO = "auto"
@@ -126,6 +127,7 @@ class Planner:
         alternatives."""
         from .bounds import lower_bound
 
+        nbytes, _ = _check_request(self.topo, schedule.collective, nbytes, schedule.root)
         self._prove_given(schedule)
         sim = simulate(self.topo, schedule, nbytes)
         bound = lower_bound(self.topo, schedule.collective, nbytes, root=schedule.root)
@@ -142,7 +144,7 @@ class Planner:
     # ---- schedules (the hot path for executors) ---------------------------------------------------
     def schedule(self, collective, nbytes, algorithm=AUTO, root=0):
         """The schedule to run for this call; cached, verified once."""
-        _check_collective(collective)
+        nbytes, root = _check_request(self.topo, collective, nbytes, root)
         if self._pinned:
             pinned = self._pinned.get(_pin_key(collective, root))
             if pinned is not None:
@@ -185,6 +187,7 @@ class Planner:
         containers without cycles, and every collection between two builds would walk all those built
         so far again, seconds each at a thousand ranks. The losers are freed by reference counting as
         the plan returns."""
+        nbytes, root = _check_request(self.topo, collective, nbytes, root)
         with gc_paused():
             return self._plan(collective, nbytes, algorithm, root, exhaustive)
 
@@ -192,7 +195,6 @@ class Planner:
         from .algorithms import REDUNDANT
         from .bounds import lower_bound
 
-        _check_collective(collective)
         built = {}
         names = algorithm_names() if algorithm == AUTO else [algorithm]
         if algorithm != AUTO and algorithm not in algorithm_names():
@@ -430,6 +432,23 @@ def _prove_forked(name):
 def _check_collective(collective):
     if collective not in COLLECTIVES:
         raise PlanError(f"unknown collective {collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+
+
+def _check_request(topo, collective, nbytes, root):
+    """``(nbytes, root)`` of a request as the planner uses them, or one PlanError saying which argument
+    is wrong: a collective it knows, a size in bytes (an integer, or text such as ``'64MiB'``) and a
+    root that is a rank (checked for broadcast, the one collective that has one)."""
+    _check_collective(collective)
+    try:
+        nbytes = message_size(nbytes)
+    except (TypeError, ValueError) as exc:
+        raise PlanError(str(exc)) from None
+    if isinstance(root, (bool, str)) or not hasattr(root, "__index__"):
+        raise PlanError(f"root must be a rank number, got {root!r}")
+    root = int(root)
+    if collective == "broadcast" and not 0 <= root < topo.nranks:
+        raise PlanError(f"root {root} is not a rank of {topo.name} (ranks 0..{topo.nranks - 1})")
+    return nbytes, root
 
 
 def _verified(sched, stop=None):

@@ -4,6 +4,7 @@ Bandwidths are stored in bytes per second, latencies in seconds and sizes in byt
 sizes). Units follow the usual convention: a capital ``B`` is a byte, a lower-case ``b`` or ``bit`` is a
 bit; ``k M G T`` are decimal, ``Ki Mi Gi Ti`` binary.
 """
+import operator
 import re
 
 _PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
@@ -74,6 +75,17 @@ def parse_size(text):
     if value != int(value) or value < 0:
         raise ValueError(f"size {text!r} is not a whole, non-negative number of bytes")
     return int(value)
+
+
+def message_size(value):
+    """A message size in bytes: a non-negative integer (numpy's too) or text such as ``'64MiB'``;
+    ValueError saying why otherwise (a float such as 1.5, a bool, NaN, a negative size)."""
+    if not isinstance(value, (bool, str)) and hasattr(value, "__index__"):
+        value = operator.index(value)
+    nbytes = parse_size(value)
+    if nbytes < 0:
+        raise ValueError(f"a message size must be a non-negative number of bytes, got {value!r}")
+    return nbytes
 
 
 def format_bandwidth(bytes_per_second):

@@ -314,3 +314,27 @@ def test_a_message_cost_makes_auto_prefer_fewer_messages(tmp_path, capsys, monke
     assert "(5 us per message)" in capsys.readouterr().out
     assert main(["plan", str(path), "--bytes", "64KiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["message_cost_seconds"] == pytest.approx(5e-6)
+
+
+@pytest.mark.parametrize("call,says", [
+    (lambda pl: pl.plan("allreduce", "1MiB"), None),                       # a size as text is fine
+    (lambda pl: pl.plan("allreduce", 1.5), "not a whole, non-negative number of bytes"),
+    (lambda pl: pl.plan("allreduce", True), "cannot parse size True"),
+    (lambda pl: pl.plan("allreduce", float("nan")), "cannot parse size nan"),
+    (lambda pl: pl.plan("allreduce", float("inf")), "cannot parse size inf"),
+    (lambda pl: pl.plan("allreduce", -5), "non-negative number of bytes, got -5"),
+    (lambda pl: pl.schedule("allreduce", "lots"), "cannot parse size 'lots'"),
+    (lambda pl: pl.plan("broadcast", 100, root=1.0), "root must be a rank number, got 1.0"),
+    (lambda pl: pl.plan("broadcast", 100, root=3), "root 3 is not a rank of flat-3 (ranks 0..2)"),
+    (lambda pl: pl.schedule("broadcast", 100, root=-1), "root -1 is not a rank"),
+    (lambda pl: pl.evaluate(pl.schedule("allreduce", 100), "x"), "cannot parse size 'x'"),
+    (lambda pl: pl.plan("allgatherv", 100), "unknown collective 'allgatherv'")])
+def test_planner_arguments_are_checked_with_one_plan_error(call, says):
+    from ddl.errors import PlanError
+    pl = Planner(flat_topology(3), workers=1)
+    if says is None:
+        assert call(pl).nbytes == 1 << 20
+        return
+    with pytest.raises(PlanError) as info:
+        call(pl)
+    assert says in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 200, str(info.value)
