@@ -29,6 +29,8 @@ from .errors import TopologyError
 from .units import BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
+RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e18     # bytes/s: 1 B/s to 1 EB/s (beyond, times over- or underflow)
 DEFAULT_LATENCY = 1e-6  # seconds, when neither the link nor the file's defaults give one
 
 TOP_KEYS = ("name", "description", "defaults", "nodes", "links", "ranks", "tiers")
@@ -277,6 +279,10 @@ def _normalize(name, description, defaults, nodes, links, ranks, where, source):
             _check_reference(getattr(link, end), label_of, where, label, f"link end {end}")
         link_list.append(link)
     rank_list = _ranks(ranks, label_of, where)
+    for label, vertex in zip((label for label, _ in ranks), rank_list):
+        if kinds[vertex] not in RANK_KINDS:
+            _fail(where, label, f"rank {vertex!r} is a {kinds[vertex]} node, which runs no process; a rank is a "
+                                f"{', '.join(RANK_KINDS[:-1])} or {RANK_KINDS[-1]} node")
     return Spec(name, description, defaults, tuple(node_list), tuple(link_list), tuple(rank_list), source)
 
 
@@ -626,6 +632,9 @@ def _bandwidth(value, where, label, key):
     if not math.isfinite(result) or result <= 0:
         _fail(where, label, f"{key} must be positive and finite, got {value!r}; give the rate of one "
                             f"link in one direction, e.g. '25 GB/s'")
+    if not MIN_BANDWIDTH <= result <= MAX_BANDWIDTH:
+        _fail(where, label, f"{key} {value!r} is outside what ddl plans for (1 B/s to 1 EB/s); give the "
+                            f"rate of one link in one direction, e.g. '25 GB/s'")
     return result
 
 

@@ -593,8 +593,10 @@ def test_absurd_sizes_fail_fast_with_the_entry_named(tmp_path):
         Topology.from_dict(pair(bandwidth=10 ** 400))                         # beyond a float
     with pytest.raises(TopologyError, match=r"links\[0\]: count 1000000000000 of .* at most 1048576"):
         Topology.from_dict(pair(count=10 ** 12))
-    with pytest.raises(TopologyError, match=r"links\[0\]: count .* finite total bandwidth"):
+    with pytest.raises(TopologyError, match=r"links\[0\]: bandwidth 1e\+305 is outside what ddl plans for"):
         Topology.from_dict(pair(bandwidth=1e305, count=10 ** 6))
+    with pytest.raises(TopologyError, match=r"links\[0\]: bandwidth 1e-300 is outside what ddl plans for \(1 B/s"):
+        Topology.from_dict(pair(bandwidth=1e-300))                           # times would overflow
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000 + "]" * 100000)
     with pytest.raises(TopologyError, match="nested too deeply"):
@@ -638,3 +640,19 @@ def test_a_character_yaml_refuses_is_named_with_its_line(tmp_path):
     path.write_bytes(b"name: x\nnodes: []\x00\n")
     with pytest.raises(TopologyError, match=r"nul.yaml: character '\\x00' at line 2, column 10 is not allowed in YAML"):
         Topology.load(path)
+
+
+def test_a_rank_on_a_switch_nic_or_pcie_node_is_refused_by_name():
+    """Those vertices forward data and run no process; a rank there would silently stop forwarding."""
+    for kind in ("switch", "nic", "pcie"):
+        data = pair()
+        data["nodes"].append({"id": "x", "kind": kind})
+        data["links"].append({"a": "x", "b": "sw", "bandwidth": "10 GB/s"})
+        data["ranks"] = ["g0", "x"]
+        with pytest.raises(TopologyError, match=rf"ranks\[1\]: rank 'x' is a {kind} node, which runs no process; "
+                                                r"a rank is a gpu, cpu or host node"):
+            Topology.from_dict(data)
+    tiers = {"name": "t", "tiers": [{"name": "gpu", "count": 2, "bandwidth": "10 GB/s"},
+                                    {"name": "host", "count": 2, "bandwidth": "1 GB/s"}], "ranks": ["spine", "h0"]}
+    with pytest.raises(TopologyError, match="rank 'spine' is a switch node"):
+        Topology.from_dict(tiers)
