@@ -246,13 +246,21 @@ class Schedule:
             raise ScheduleError(f"not a ddl schedule (expected \"format\": \"{FORMAT}\")")
         try:
             programs = tuple(tuple(_op(k, c, p) for k, c, p in prog) for prog in data["programs"])
-            routes = {(_int(r["src"], "route src"), _int(r["dst"], "route dst")):
-                      tuple((tuple(p["via"]), float(p["share"])) for p in r["paths"])
-                      for r in data.get("routes", [])}
+            routes = {}
+            for r in data.get("routes", []):
+                pair = (_int(r["src"], "route src"), _int(r["dst"], "route dst"))
+                if pair in routes:
+                    raise ScheduleError(f"routes: pair {pair[0]} -> {pair[1]} is listed twice; give each pair once, "
+                                        f"with all its paths")
+                routes[pair] = tuple((tuple(p["via"]), float(p["share"])) for p in r["paths"])
+            algorithm, info = data.get("algorithm", ""), data.get("info", {})
+            if not isinstance(algorithm, str) or not isinstance(info, dict):
+                raise ScheduleError(f"\"algorithm\" must be a string and \"info\" a mapping, not "
+                                    f"{type(algorithm).__name__} and {type(info).__name__}")
             return cls(collective=data["collective"], nranks=_int(data["nranks"], "nranks"),
                        pattern=tuple(_int(w, "pattern weight") for w in data["pattern"]), programs=programs,
-                       root=_int(data.get("root", 0), "root"), algorithm=data.get("algorithm", ""),
-                       info=data.get("info", {}), routes=routes,
+                       root=_int(data.get("root", 0), "root"), algorithm=algorithm,
+                       info=info, routes=routes,
                        spans=tuple((_int(f, "span start"), _int(c, "span length")) for f, c in data.get("spans", [])))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ScheduleError(f"malformed schedule: {exc!r}") from None

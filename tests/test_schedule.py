@@ -404,6 +404,13 @@ def test_json_round_trip_is_lossless(tmp_path):
     assert Schedule.load(tmp_path / "s.json").to_dict() == sched.to_dict()
     older = {key: value for key, value in sched.to_dict().items() if key != "spans"}
     assert Schedule.from_dict({**older, "format": "ddl.schedule/1"}) == sched     # before spans
+    twice = sched.to_dict()
+    twice["routes"] = twice["routes"] * 2                     # a hand edit that lists a pair twice
+    with pytest.raises(ScheduleError, match="routes: pair 2 -> 1 is listed twice"):
+        Schedule.from_dict(twice)
+    for key, value in (("algorithm", 5), ("algorithm", None), ("info", [1])):
+        with pytest.raises(ScheduleError, match='"algorithm" must be a string and "info" a mapping'):
+            Schedule.from_dict({**sched.to_dict(), key: value})
 
 
 def test_bad_json_is_a_schedule_error():
