@@ -1,8 +1,10 @@
 """The cluster model every other part of ddl plans against: vertices, links, ranks, routes, tiers.
 
 A :class:`Topology` is immutable and identified by its fingerprint (sha256 of its canonical explicit
-form), so plans and measurements can be cached per topology and two files describing the same fabric
-compare equal. Reading and validating files is :mod:`ddl.topology_file`; this module adds what needs
+form), so plans and measurements can be cached per topology. Two files that list the same nodes,
+links and ranks in the same order compare equal however they spell units or use ``for:``/``tiers:``;
+listing them in another order, writing a link ``b`` to ``a``, or as ``count: 2`` of half the bandwidth
+gives another fingerprint (plans are then made and cached once more, never shared wrongly). Reading and validating files is :mod:`ddl.topology_file`; this module adds what needs
 the graph: reachability between ranks, routes, hosts and tiers.
 
 Units: bytes/s, seconds.
