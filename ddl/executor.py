@@ -292,6 +292,12 @@ class CompiledPlan:
         work = np.empty(self.count, self.dtype) if self.needs_work else None
         return scratch, work
 
+    def describe_op(self, k):
+        code, peer, c = self.ops[k][:3]
+        i = self.original_index[k]
+        word = "to" if code == C_SEND else "from"
+        return f"op {i} ({_CODE_NAMES[code]} chunk {c} {word} rank {peer})"
+
 
 class ScratchPool:
     """The (scratch, work) arrays of finished calls, kept for the next call of the same plan: fresh
@@ -333,12 +339,6 @@ class ScratchPool:
     def clear(self):
         self.free.clear()
         self.nbytes = 0
-
-    def describe_op(self, k):
-        code, peer, c = self.ops[k][:3]
-        i = self.original_index[k]
-        word = "to" if code == C_SEND else "from"
-        return f"op {i} ({_CODE_NAMES[code]} chunk {c} {word} rank {peer})"
 
 
 class Execution:
