@@ -898,9 +898,12 @@ class Engine:
         raise err from None
 
     def _resume(self):
-        """Entering a wait: time the user spent outside ddl does not count as a stall."""
+        """Entering a wait or test: a long time the user spent outside ddl (computing between an
+        Iallreduce and its Wait) does not count as a stall. Short ones do (a loop that polls Test every
+        second), or a dead peer would never be named: absences of at least half the stall warning
+        (or timeout, if shorter) and 0.5 s are forgiven."""
         now = time.monotonic()
-        if now - self._last_drive > 0.5:
+        if now - self._last_drive > max(0.5, min(self.stall_warning, self.stall_timeout) / 2):
             for other in self.inflight.values():
                 if other.t_progress < now:
                     other.t_progress = now

@@ -4,6 +4,8 @@
 
 Scenario 1 (agreement phase): the last rank sleeps before calling Allreduce.
 Scenario 2 (data phase, check="off"): the last rank starts Iallreduce, then sleeps without driving it.
+Scenario 3 (polling): the last rank sleeps before calling; the others poll ``Test`` with a short
+computation between polls, longer than 0.5 s but under half the stall warning: that time counts.
 Every rank prints one line per scenario: ``STALL<k> rank <r>: <message>`` (or ``NOSTALL<k>``).
 """
 import os
@@ -21,13 +23,15 @@ WARN, TIMEOUT, SLEEP = 0.3, 1.0, 3.0
 last = SIZE - 1
 
 
-def scenario(k, check, sleeper_action):
-    comm = ddl.Communicator(WORLD, stall_warning=WARN, stall_timeout=TIMEOUT, check=check)
+def scenario(k, check, sleeper_action, others=None, warn=WARN, timeout=TIMEOUT):
+    comm = ddl.Communicator(WORLD, stall_warning=warn, stall_timeout=timeout, check=check)
     buf = np.ones(64, np.float32)
     t0 = time.monotonic()
     try:
         if RANK == last:
             sleeper_action(comm, buf)
+        elif others is not None:
+            others(comm, buf)
         else:
             comm.Allreduce(ddl.IN_PLACE, buf)
         print(f"NOSTALL{k} rank {RANK}", flush=True)
@@ -47,8 +51,20 @@ def start_then_sleep(comm, buf):
     req.Wait()
 
 
+def poll_with_compute(comm, buf):
+    req = comm.Iallreduce(ddl.IN_PLACE, buf)
+    while not req.Test():
+        time.sleep(0.6)                # "compute" between polls: over 0.5 s, under half the warning
+
+
+def sleep_longer_then_call(comm, buf):
+    time.sleep(2 * SLEEP)
+    comm.Allreduce(ddl.IN_PLACE, buf)
+
+
 scenario(1, "always", sleep_then_call)
 scenario(2, "off", start_then_sleep)
+scenario(3, "always", sleep_longer_then_call, poll_with_compute, warn=1.5, timeout=2.5)
 WORLD.Barrier()
 if RANK == 0:
     print("DONE", flush=True)
