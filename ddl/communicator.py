@@ -471,6 +471,8 @@ class Communicator:
     def _start(self, layout, send, recv, count, dtype, op, root, sig_count, blocking=False):
         if self._freed:
             raise Error("this ddl.Communicator was freed")
+        if self._engine.inflight:
+            _check_not_in_flight(send, recv, self._engine.inflight.values())
         plan, sig, finish, label = self._compiled(layout, count, dtype, op, root, sig_count)
         seq = self._seq
         self._seq = seq + 1
@@ -797,6 +799,19 @@ class _GroupRequest(Request):
     @property
     def done(self):
         return all(ex.done for ex in self._reqs)
+
+
+def _check_not_in_flight(send, recv, inflight):
+    """A buffer that a collective still in flight writes (its recvbuf), or reads while this call
+    writes it, would give garbage: MPI forbids it, and ddl says so (on this rank; the others learn of
+    the refusal through the agreement). Buffers are contiguous, so overlapping bounds are overlap."""
+    for ex in inflight:
+        theirs_send, theirs_recv = ex.bufs[:2] if ex.bufs is not None else (None, None)
+        for mine, what, against in ((recv, "recvbuf", (theirs_recv, theirs_send)), (send, "sendbuf", (theirs_recv,))):
+            if mine is not None and any(t is not None and np.may_share_memory(mine, t) for t in against):
+                raise Error(f"{what} shares memory with a buffer of {ex.label} (ddl collective #{ex.seq}), "
+                            f"still in flight: wait for that one first (one buffer in two calls in flight "
+                            f"gives garbage; MPI forbids it too)")
 
 
 def _nbytes(value):

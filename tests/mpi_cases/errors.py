@@ -215,6 +215,19 @@ expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(5)) if r 
     [np.ones(3), np.ones(2)]), f"rank {last} called Allreduce with 5 float64", "called grouped_allreduce of 2 arrays",
     label="a grouped call against a plain one")
 still_works("a grouped call against a plain one")
+# one buffer in two calls in flight (MPI forbids it; it gave garbage): refused, and every rank raises (those
+# whose first call had already completed learn of the refusal through the agreement)
+for n in (4, 1 << 16):
+    shared = np.full(n, r + 1.0)
+    first = comm.Iallreduce(ddl.IN_PLACE, shared)
+    expect(ddl.Error, lambda: comm.Iallreduce(ddl.IN_PLACE, shared).Wait(), label=f"a buffer in two calls in flight, {n}")
+    first.Wait()
+    chk.ok(np.all(shared == p * (p + 1) / 2), f"the first call's result with a refused second, {n}: {shared[:3]}")
+    halves = [comm.Iallreduce(ddl.IN_PLACE, part) for part in (shared[: n // 2], shared[n // 2:])]   # disjoint: fine
+    for req in halves:
+        req.Wait()
+    chk.ok(np.all(shared == p * p * (p + 1) / 2), f"disjoint halves of one buffer in flight at once, {n}")
+    still_works(f"a buffer in two calls in flight, {n}")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), "abc", "d"]), "count must be an integer", "'abc'",
        label="a count that is a string")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), 2.7, "d"]), "count must be an integer", "2.7",
