@@ -210,43 +210,52 @@ class Communicator:
             comm = MPI.COMM_WORLD
         if isinstance(comm, Communicator):
             comm = comm.mpi_comm
-        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        if not isinstance(comm, MPI.Comm):
             raise Error(f"comm must be an mpi4py communicator, got {comm!r}")
+        if comm == MPI.COMM_NULL:
+            raise Error("comm is a null communicator: MPI.COMM_NULL, or one that was freed")
         if comm.Is_inter():
             raise Error("ddl.Communicator needs an intracommunicator")
         self.mpi_comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        if check is None:
-            check = os.environ.get("DDL_CHECK", "always") or "always"
-        if check not in CHECK_MODES:
-            raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
-        self.check = check
-        self.algorithm = algorithm = "auto" if algorithm is None else algorithm
-        self._algorithm_of = self._algorithms(algorithm)
-        if self.size > 1:
-            from .algorithms import ALGORITHMS
-            names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}
-            unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
-            if unknown:
-                raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, {', '.join(ALGORITHMS)}")
-        stall = {}
-        for name, given, default in (("stall_warning", stall_warning, _DEFAULT_STALL_WARNING),
-                                     ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
-            env = f"DDL_{name.upper()}"
-            stall[name] = (_seconds(name, given) if given is not None else
-                           _seconds(name, _env_float(env, default), f"env {env}"))
+        try:   # set-up errors of one rank (a file missing on its node) must not hang the others below
+            if check is None:
+                check = os.environ.get("DDL_CHECK", "always") or "always"
+            if check not in CHECK_MODES:
+                raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+            self.check = check
+            self.algorithm = algorithm = "auto" if algorithm is None else algorithm
+            self._algorithm_of = self._algorithms(algorithm)
+            if self.size > 1:
+                from .algorithms import ALGORITHMS
+                names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}
+                unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
+                if unknown:
+                    raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, "
+                                    f"{', '.join(ALGORITHMS)}")
+            stall = {}
+            for name, given, default in (("stall_warning", stall_warning, _DEFAULT_STALL_WARNING),
+                                         ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
+                env = f"DDL_{name.upper()}"
+                stall[name] = (_seconds(name, given) if given is not None else
+                               _seconds(name, _env_float(env, default), f"env {env}"))
 
-        if topology is Communicator._UNSET:
-            topology = os.environ.get("DDL_TOPOLOGY") or None
-        self.topology = self._load_topology(topology)
-        if self.topology is not None and self.topology.nranks != self.size:
-            where = f" ({self.topology.source})" if getattr(self.topology, "source", None) else ""
-            raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
-                        f"communicator has {self.size} ranks: use a topology with one rank per process "
-                        f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
-        self._planner = planner
-        self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None else f"flat-{self.size}")
+            if topology is Communicator._UNSET:
+                topology = os.environ.get("DDL_TOPOLOGY") or None
+            self.topology = self._load_topology(topology)
+            if self.topology is not None and self.topology.nranks != self.size:
+                where = f" ({self.topology.source})" if getattr(self.topology, "source", None) else ""
+                raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
+                            f"communicator has {self.size} ranks: use a topology with one rank per process "
+                            f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
+            self._planner = planner
+            self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None
+                                             else f"flat-{self.size}")
+        except Exception as exc:
+            _agree_on_setup(comm, exc)
+            raise
+        _agree_on_setup(comm, None)
 
         self._pcomm = comm.Dup()
         self._gcomm = comm.Dup()
@@ -799,6 +808,16 @@ class _GroupRequest(Request):
     @property
     def done(self):
         return all(ex.done for ex in self._reqs)
+
+
+def _agree_on_setup(comm, error):
+    """Every rank says whether its own set-up failed (``error``) before the collective part of the
+    constructor: a rank whose topology file is missing, or whose settings are wrong, raises its own
+    error, and the others a :class:`ddl.Error` naming it, instead of waiting in ``MPI_Comm_dup``."""
+    failed = [r for r, bad in enumerate(comm.allgather(error is not None)) if bad]
+    if failed and error is None:
+        raise Error(f"ddl.Communicator: {format_ranks(failed)} could not set up (their own error says why); "
+                    f"every rank must pass the same topology and settings")
 
 
 def _check_not_in_flight(send, recv, inflight):
