@@ -257,8 +257,13 @@ class Communicator:
             raise
         _agree_on_setup(comm, None)
 
-        self._pcomm = comm.Dup()
-        self._gcomm = comm.Dup()
+        try:
+            self._pcomm = comm.Dup()
+            self._gcomm = comm.Dup()
+        except MPI.Exception as exc:
+            raise Error(f"ddl.Communicator: MPI cannot create its private communicators ({exc}): Free() the "
+                        f"ddl.Communicators you no longer use (a `with` block left by an exception does not "
+                        f"free them: freeing is collective)") from None
         try:
             name = comm.Get_name() or "comm"
             self._pcomm.Set_name(f"ddl-data({name})")
