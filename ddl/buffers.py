@@ -126,7 +126,7 @@ def torch_bfloat16(obj, what):
         raise Error("bfloat16 tensors need ml_dtypes: pip install ml_dtypes") from None
     try:
         return np.from_dlpack(obj.view(torch.int16)).view(ml_dtypes.bfloat16)
-    except (RuntimeError, TypeError, ValueError, BufferError) as exc:   # e.g. a tensor that requires grad
+    except (RuntimeError, TypeError, ValueError, BufferError) as exc:   # whatever torch or numpy refuse
         raise Error(f"{what}: cannot access the bfloat16 tensor's memory ({exc})") from None
 
 

@@ -60,7 +60,7 @@ from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, fo
 from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
-from .executor import CompiledPlan, Engine, Execution, _env_float, _env_int
+from .executor import SCRATCH_BYTES, CompiledPlan, Engine, Execution, _env_float, _env_int
 from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
 from .units import message_size
@@ -249,6 +249,17 @@ class Communicator:
                 raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
                             f"communicator has {self.size} ranks: use a topology with one rank per process "
                             f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
+            agreement = os.environ.get("DDL_AGREEMENT", "auto")
+            if agreement not in ("auto", "shm", "mpi"):
+                raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
+            limit = ShmBoard.inline_limit(self.size)
+            inline = _env_int("DDL_INLINE_BYTES", limit)
+            if not 0 <= inline <= limit:
+                raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
+                            f"on {self.size} ranks, got {inline}")
+            scratch_bytes = _env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
+            if scratch_bytes < 0:
+                raise Error(f"DDL_SCRATCH_BYTES must be zero or more bytes, got {scratch_bytes}")
             self._planner = planner
             self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None
                                              else f"flat-{self.size}")
@@ -276,18 +287,10 @@ class Communicator:
         local = node.Get_size() if node is not None else 1
         if node is not None:
             node.Free()
-        agreement = os.environ.get("DDL_AGREEMENT", "auto")
-        if agreement not in ("auto", "shm", "mpi"):
-            raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
         use_board = self.size > 1 and check == "always" and local == self.size and agreement != "mpi"
         self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
         # auto, with ddl's planner, on one node: the smallest collectives ride on the agreement board
-        limit = ShmBoard.inline_limit(self.size)
-        inline = _env_int("DDL_INLINE_BYTES", limit)
-        if not 0 <= inline <= limit:
-            raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
-                        f"on {self.size} ranks, got {inline}")
         self._inline = {c: inline if use_board and planner is None and self._algorithm_of(c) == "auto" else 0
                         for c in _LABEL}
         self.inline_bytes = self._inline["allreduce"]
@@ -297,7 +300,7 @@ class Communicator:
         over = os.environ.get("DDL_OVERSUBSCRIBED", "")
         oversubscribed = local > _cores() if over == "" else over not in ("0", "false", "no")
         self._engine = Engine(self._pcomm, self._gcomm, stall["stall_warning"], stall["stall_timeout"],
-                              board=self._board, oversubscribed=oversubscribed)
+                              board=self._board, oversubscribed=oversubscribed, scratch_bytes=scratch_bytes)
         self._seq = 0
         self._plans = {}
         self._schedule_digests = {}

@@ -303,12 +303,12 @@ class ScratchPool:
     """The (scratch, work) arrays of finished calls, kept for the next call of the same plan: fresh
     large arrays cost page faults, and a training loop calls the same sizes every step. A plan keeps
     up to ``per_plan`` pairs (calls of it in flight at once), and all plans together at most
-    ``budget`` bytes, the least recently used dropped first (but never the plan just released, however
-    large): a job whose sizes vary (a plan per exact count) would otherwise hold scratch for every
-    size it has seen."""
+    ``budget`` bytes and ``plans`` plans, the least recently used dropped first (but never the plan
+    just released, however large): a job whose sizes vary (a plan per exact count) would otherwise hold
+    scratch, and the plans, for every size it has seen. Plans without scratch are not kept at all."""
 
-    def __init__(self, budget, per_plan=4):
-        self.budget, self.per_plan = budget, per_plan
+    def __init__(self, budget, per_plan=4, plans=256):
+        self.budget, self.per_plan, self.plans = budget, per_plan, plans
         self.free = {}         # plan -> its free pairs; in order of last release, oldest first
         self.nbytes = 0
 
@@ -327,12 +327,15 @@ class ScratchPool:
         return pair
 
     def release(self, plan, pair):
+        size = self._size(pair)
+        if not size:                   # nothing to reuse (a plan without scratch): keep no reference to it
+            return
         pairs = self.free.pop(plan, [])
         if len(pairs) < self.per_plan:
             pairs.append(pair)
-            self.nbytes += self._size(pair)
+            self.nbytes += size
         self.free[plan] = pairs
-        while self.nbytes > self.budget and len(self.free) > 1:
+        while (self.nbytes > self.budget or len(self.free) > self.plans) and len(self.free) > 1:
             oldest = next(iter(self.free))
             self.nbytes -= sum(map(self._size, self.free.pop(oldest)))
 
@@ -462,7 +465,8 @@ class Engine:
 
     QUICK_POLLS = 16  # see _inline_alone
 
-    def __init__(self, pcomm, gcomm, stall_warning, stall_timeout, board=None, oversubscribed=False):
+    def __init__(self, pcomm, gcomm, stall_warning, stall_timeout, board=None, oversubscribed=False,
+                 scratch_bytes=SCRATCH_BYTES):
         from mpi4py import MPI
         self.MPI = MPI
         self.pcomm, self.gcomm, self.board = pcomm, gcomm, board
@@ -497,7 +501,7 @@ class Engine:
         if board is not None and Doorbell.supported() and (use_bell == "1" or (use_bell == "auto" and oversubscribed)):
             self.bell = Doorbell(board, self.rank)
         self._large = 0  # in-flight collectives with multi-handshake (large) messages: no doorbell sleep
-        self.scratch = ScratchPool(_env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES))
+        self.scratch = ScratchPool(scratch_bytes)
         self._to_ring = set()  # peers sent to since the last flush (a woken peer may preempt us at once,
         #                         so we ring after issuing all the sends of a round of work)
         _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None] + [weakref.ref(self)]

@@ -127,7 +127,8 @@ class Planner:
         alternatives."""
         from .bounds import lower_bound
 
-        nbytes, _ = _check_request(self.topo, schedule.collective, nbytes, schedule.root)
+        if schedule.nranks == self.topo.nranks:    # (else _prove_given says so first)
+            nbytes, _ = _check_request(self.topo, schedule.collective, nbytes, schedule.root)
         self._prove_given(schedule)
         sim = simulate(self.topo, schedule, nbytes)
         bound = lower_bound(self.topo, schedule.collective, nbytes, root=schedule.root)
@@ -443,10 +444,12 @@ def _check_request(topo, collective, nbytes, root):
         nbytes = message_size(nbytes)
     except (TypeError, ValueError) as exc:
         raise PlanError(str(exc)) from None
+    if collective != "broadcast":
+        return nbytes, 0               # no root: any value asks for the same plan
     if isinstance(root, (bool, str)) or not hasattr(root, "__index__"):
         raise PlanError(f"root must be a rank number, got {root!r}")
     root = int(root)
-    if collective == "broadcast" and not 0 <= root < topo.nranks:
+    if not 0 <= root < topo.nranks:
         raise PlanError(f"root {root} is not a rank of {topo.name} (ranks 0..{topo.nranks - 1})")
     return nbytes, root
 

@@ -418,7 +418,12 @@ class _Fabric:
         if len(set(path)) < len(path):
             raise ScheduleError(f"{where}: path {list(path)} passes through a vertex twice")
         for v in path[1:-1]:
-            if v not in self.topo.usable_graph() or not self.topo.is_transit(v):
+            try:
+                transit = self.topo.is_transit(v)
+            except KeyError:
+                raise ScheduleError(f"{where}: path {list(path)} passes through {v!r}, which is no node of "
+                                    f"the topology") from None
+            if not transit:
                 raise ScheduleError(f"{where}: path {list(path)} passes through {v!r}, which does not forward "
                                     f"data (only switch, nic, host, cpu and pcie vertices that are not ranks do)")
         if len(path) > 2 and self.topo.capacity(*ends) > 0:

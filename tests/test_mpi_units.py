@@ -189,6 +189,21 @@ def test_scratch_is_reused_per_plan_and_bounded_in_bytes_over_all_plans():
     pool.clear()
     assert not pool.free and pool.nbytes == 0
 
+    class Bare(Plan):                  # a plan without scratch or work arrays (a broadcast, say)
+        def resources(self):
+            self.made += 1
+            return None, None
+
+    few = ScratchPool(budget=1 << 30, per_plan=2, plans=3)
+    for _ in range(1000):
+        bare = Bare(0)
+        few.release(bare, few.acquire(bare))
+    assert not few.free                                       # nothing to reuse: no reference kept
+    many = [Plan(10) for _ in range(10)]
+    for plan in many:
+        few.release(plan, few.acquire(plan))
+    assert list(few.free) == many[-3:] and few.nbytes == 30   # at most `plans` plans, the newest
+
 
 def test_a_buffer_of_a_call_in_flight_is_refused_for_another():
     from types import SimpleNamespace

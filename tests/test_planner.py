@@ -318,6 +318,7 @@ def test_a_message_cost_makes_auto_prefer_fewer_messages(tmp_path, capsys, monke
 
 @pytest.mark.parametrize("call,says", [
     (lambda pl: pl.plan("allreduce", "1MiB"), None),                       # a size as text is fine
+    (lambda pl: pl.plan("allreduce", 1 << 20, root=None), None),           # only broadcast has a root
     (lambda pl: pl.plan("allreduce", 1.5), "not a whole, non-negative number of bytes"),
     (lambda pl: pl.plan("allreduce", True), "cannot parse size True"),
     (lambda pl: pl.plan("allreduce", float("nan")), "cannot parse size nan"),

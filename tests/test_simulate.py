@@ -733,7 +733,8 @@ def test_pinned_routes_must_follow_the_forwarding_rules_the_bounds_assume():
                              ((2, 0), ("g2", "gx", "g0"), "passes through 'gx', which does not forward"),
                              ((0, 2), ("g0", "gx", "g2"), "passes through 'gx', which does not forward"),
                              ((1, 2), ("g1", "sw", "g0", "sw", "g2"), "passes through a vertex twice"),
-                             ((1, 2), ("g1", "sw", "g0", "g1", "sw", "g2"), "passes through a vertex twice")):
+                             ((1, 2), ("g1", "sw", "g0", "g1", "sw", "g2"), "passes through a vertex twice"),
+                             ((1, 2), ("g1", "nowhere", "g2"), "passes through 'nowhere', which is no node")):
         pinned = dataclasses.replace(base, routes={pair: [(path, 1.0)]})
         with pytest.raises(ScheduleError, match=f"route {pair[0]} -> {pair[1]}: .*{says}"):
             simulate(topo, pinned, 1 << 20)
