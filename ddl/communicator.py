@@ -828,14 +828,33 @@ def _agree_on_setup(comm, error):
                     f"every rank must pass the same topology and settings")
 
 
+def _extent(arr):
+    """``(first, end)`` byte addresses of a contiguous array, or None (no buffer, or an empty one)."""
+    if arr is None or not arr.nbytes:
+        return None
+    first = arr.__array_interface__["data"][0]
+    return first, first + arr.nbytes
+
+
+def _overlap(a, b):
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
 def _check_not_in_flight(send, recv, inflight):
     """A buffer that a collective still in flight writes (its recvbuf), or reads while this call
     writes it, would give garbage: MPI forbids it, and ddl says so (on this rank; the others learn of
-    the refusal through the agreement). Buffers are contiguous, so overlapping bounds are overlap."""
+    the refusal through the agreement). Buffers are contiguous, so overlapping address ranges are
+    overlap; each call's ranges are taken once, when a later call first compares with them."""
+    mine_send, mine_recv = _extent(send), _extent(recv)
     for ex in inflight:
-        theirs_send, theirs_recv = ex.bufs[:2] if ex.bufs is not None else (None, None)
-        for mine, what, against in ((recv, "recvbuf", (theirs_recv, theirs_send)), (send, "sendbuf", (theirs_recv,))):
-            if mine is not None and any(t is not None and np.may_share_memory(mine, t) for t in against):
+        if ex.bufs is None:
+            continue
+        if ex.extents is None:
+            ex.extents = (_extent(ex.bufs[0]), _extent(ex.bufs[1]))
+        theirs_send, theirs_recv = ex.extents
+        for what, clash in (("recvbuf", _overlap(mine_recv, theirs_recv) or _overlap(mine_recv, theirs_send)),
+                            ("sendbuf", _overlap(mine_send, theirs_recv))):
+            if clash:
                 raise Error(f"{what} shares memory with a buffer of {ex.label} (ddl collective #{ex.seq}), "
                             f"still in flight: wait for that one first (one buffer in two calls in flight "
                             f"gives garbage; MPI forbids it too)")

@@ -349,7 +349,7 @@ class Execution:
 
     __slots__ = ("plan", "seq", "sig", "sig_hash", "check", "salt", "tag_base", "bufs", "views", "need",
                  "remaining", "state", "error", "done", "check_buf", "gather_buf", "resources", "finish",
-                 "t_start", "t_progress", "warned", "label", "agree_done", "engine", "inline")
+                 "t_start", "t_progress", "warned", "label", "agree_done", "engine", "inline", "extents")
 
     def __init__(self, plan, seq, sig, check, label, sendbuf, recvbuf, finish=None):
         self.plan, self.seq, self.sig, self.check, self.label = plan, seq, sig, check, label
@@ -366,6 +366,7 @@ class Execution:
         self.agree_done = False
         self.check_buf = self.gather_buf = None
         self.inline = None  # a collective small enough to ride on the agreement board: what it posts
+        self.extents = None  # (send, recv) address ranges, once a later call asks (see Communicator._start)
 
 
 class Doorbell:

@@ -4,8 +4,9 @@ A :class:`Topology` is immutable and identified by its fingerprint (sha256 of it
 form), so plans and measurements can be cached per topology. Two files that list the same nodes,
 links and ranks in the same order compare equal however they spell units or use ``for:``/``tiers:``;
 listing them in another order, writing a link ``b`` to ``a``, or as ``count: 2`` of half the bandwidth
-gives another fingerprint (plans are then made and cached once more, never shared wrongly). Reading and validating files is :mod:`ddl.topology_file`; this module adds what needs
-the graph: reachability between ranks, routes, hosts and tiers.
+gives another fingerprint (plans are then made and cached once more, never shared wrongly).
+Reading and validating files is :mod:`ddl.topology_file`; this module adds what needs the graph:
+reachability between ranks, routes, hosts and tiers.
 
 Units: bytes/s, seconds.
 """

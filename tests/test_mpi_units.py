@@ -210,15 +210,15 @@ def test_a_buffer_of_a_call_in_flight_is_refused_for_another():
 
     from ddl.communicator import _check_not_in_flight
     buf, other = np.zeros(100), np.zeros(100)
-    flight = [SimpleNamespace(bufs=[None, buf, None, None], label="Allreduce(100 x float64, SUM)", seq=7),
-              SimpleNamespace(bufs=None, label="done", seq=6)]              # finished: its buffers are let go
+    flight = [SimpleNamespace(bufs=[None, buf, None, None], label="Allreduce(100 x float64, SUM)", seq=7, extents=None),
+              SimpleNamespace(bufs=None, label="done", seq=6, extents=None)]   # finished: buffers let go
     with pytest.raises(ddl.Error, match=r"recvbuf shares memory with a buffer of Allreduce\(100 x float64, SUM\) "
                                         r"\(ddl collective #7\), still in flight"):
         _check_not_in_flight(None, buf[10:20], flight)
     with pytest.raises(ddl.Error, match="sendbuf shares memory"):               # read while it is written
         _check_not_in_flight(buf[:5], other, flight)
     _check_not_in_flight(other, other[:3], flight)                             # other memory: fine
-    reading = [SimpleNamespace(bufs=[buf, other, None, None], label="Allreduce", seq=8)]
+    reading = [SimpleNamespace(bufs=[buf, other, None, None], label="Allreduce", seq=8, extents=None)]
     _check_not_in_flight(buf, np.zeros(100), reading)                          # two reads of one sendbuf: fine
     with pytest.raises(ddl.Error, match="recvbuf shares memory"):              # writing what is being sent
         _check_not_in_flight(None, buf, reading)
