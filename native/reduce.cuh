@@ -44,17 +44,46 @@ typedef unsigned long long u64;
 // S: the storage type (what memory holds, a plain integer or float: it can sit in a union with
 // uint4), C: the type arithmetic is done in; store() rounds a C value to the element type.
 
-#define DDL_FLOAT_ELEM(T)                                                                     \
+// MIN/MAX of two equal floats (-0.0 and +0.0) keep the first operand, as numpy's scalar loops do,
+// unless DDL_<MIN|MAX>_TIES_SECOND_<TYPE> is 1: numpy's SIMD loops keep the second. ddl/gpu/kernels.py
+// asks the running numpy and defines them, so the device gives the host executor's bits.
+#ifndef DDL_MIN_TIES_SECOND_FLOAT
+#define DDL_MIN_TIES_SECOND_FLOAT 0
+#endif
+#ifndef DDL_MAX_TIES_SECOND_FLOAT
+#define DDL_MAX_TIES_SECOND_FLOAT 0
+#endif
+#ifndef DDL_MIN_TIES_SECOND_DOUBLE
+#define DDL_MIN_TIES_SECOND_DOUBLE 0
+#endif
+#ifndef DDL_MAX_TIES_SECOND_DOUBLE
+#define DDL_MAX_TIES_SECOND_DOUBLE 0
+#endif
+#ifndef DDL_MIN_TIES_SECOND_HALF
+#define DDL_MIN_TIES_SECOND_HALF 0
+#endif
+#ifndef DDL_MAX_TIES_SECOND_HALF
+#define DDL_MAX_TIES_SECOND_HALF 0
+#endif
+#ifndef DDL_MIN_TIES_SECOND_BF16
+#define DDL_MIN_TIES_SECOND_BF16 0
+#endif
+#ifndef DDL_MAX_TIES_SECOND_BF16
+#define DDL_MAX_TIES_SECOND_BF16 0
+#endif
+
+#define DDL_FLOAT_ELEM(T, MIN2, MAX2)                                                         \
     template <> struct Elem<T> {                                                              \
         typedef T S;                                                                          \
         typedef T C;                                                                          \
+        enum { min_ties_second = MIN2, max_ties_second = MAX2 };                              \
         static DDL_HD C load(S s) { return s; }                                               \
         static DDL_HD S store(C c) { return c; }                                              \
     };
 
 template <class T> struct Elem;
-DDL_FLOAT_ELEM(float)
-DDL_FLOAT_ELEM(double)
+DDL_FLOAT_ELEM(float, DDL_MIN_TIES_SECOND_FLOAT, DDL_MAX_TIES_SECOND_FLOAT)
+DDL_FLOAT_ELEM(double, DDL_MIN_TIES_SECOND_DOUBLE, DDL_MAX_TIES_SECOND_DOUBLE)
 
 // Integers: arithmetic wraps modulo 2^bits (two's complement) like numpy. It is done in an unsigned
 // type at least as wide as int (W), so that neither signed overflow nor the promotion of small
@@ -84,6 +113,7 @@ DDL_INT_ELEM(unsigned long long, unsigned long long)
 template <> struct Elem<__half> {
     typedef unsigned short S;
     typedef float C;
+    enum { min_ties_second = DDL_MIN_TIES_SECOND_HALF, max_ties_second = DDL_MAX_TIES_SECOND_HALF };
     static DDL_HD C load(S s) {
         __half_raw r;
         r.x = s;
@@ -102,6 +132,7 @@ template <> struct Elem<__half> {
 template <> struct Elem<__nv_bfloat16> {
     typedef unsigned short S;
     typedef float C;
+    enum { min_ties_second = DDL_MIN_TIES_SECOND_BF16, max_ties_second = DDL_MAX_TIES_SECOND_BF16 };
     static DDL_HD C load(S s) {
         __nv_bfloat16_raw r;
         r.x = s;
@@ -126,8 +157,8 @@ template <class E> struct Arith<E, false> {
     typedef typename E::C C;
     static DDL_HD C add(C a, C b) { return a + b; }
     static DDL_HD C mul(C a, C b) { return a * b; }
-    static DDL_HD bool first_is_min(C a, C b) { return a <= b || a != a; }
-    static DDL_HD bool first_is_max(C a, C b) { return a >= b || a != a; }
+    static DDL_HD bool first_is_min(C a, C b) { return (E::min_ties_second ? a < b : a <= b) || a != a; }
+    static DDL_HD bool first_is_max(C a, C b) { return (E::max_ties_second ? a > b : a >= b) || a != a; }
 };
 template <class E> struct Arith<E, true> {
     typedef typename E::C C;

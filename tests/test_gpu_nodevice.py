@@ -509,16 +509,19 @@ def _random(dt_name, n, rng, nan=False):
     if d == np.bool_:
         return rng.integers(0, 2, n).astype(bool)
     x = (rng.standard_normal(n) * 3).astype(np.float32)
-    if nan and n:
+    if nan and n:                      # MIN/MAX: NaNs, and signed zeros (equal: which one is kept shows)
+        zeros = rng.integers(0, n, max(1, n // 3))
+        x[zeros] = np.where(rng.integers(0, 2, len(zeros)) == 1, -0.0, 0.0)
         x[rng.integers(0, n, max(1, n // 7))] = np.nan
     return x.astype(d)
 
 
 def _fold(op, arrays, d):
+    from ddl.ops import reduce_into    # exactly as the host executor reduces
     acc = arrays[0].copy()
     with np.errstate(all="ignore"):
         for a in arrays[1:]:
-            UFUNC[op](acc, a, out=acc)
+            reduce_into(UFUNC[op], acc, a, acc)
     return acc
 
 
