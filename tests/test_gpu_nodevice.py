@@ -123,6 +123,16 @@ class FakeCAI:
 PTR = 0x7F3A_0000_0200  # never dereferenced: the point is that it is taken as is
 
 
+def test_an_anonymous_two_byte_array_is_bfloat16_when_the_spec_says_so():
+    """The error for a '<V2' typestr says to name the dtype with [buf, 'bfloat16']: that must work."""
+    raw = FakeCAI(PTR, (6,), typestr="<V2")
+    with pytest.raises(ddl.Error, match=r"say which it is with \[buf, 'bfloat16'\]"):
+        B.parse_device_buffer(raw)
+    b = B.parse_device_buffer([raw, "bfloat16"])
+    assert b.dtype is B.DTYPES["bfloat16"] and b.count == 6 and b.ptr == PTR
+    assert B.parse_device_buffer([raw, 4, "bfloat16"]).count == 4
+
+
 def test_cai_pointer_taken_as_is():
     b = B.parse_device_buffer(FakeCAI(PTR, (4, 5)), "recvbuf", writable=True)
     assert b.ptr == PTR and b.count == 20 and b.dtype.name == "float32" and b.nbytes == 80

@@ -99,6 +99,7 @@ DTYPES = {d.name: d for d in (
     _dt("bool", "bool", 1, "|b1", "unsigned char", None, kernel="uint8"),
 )}
 
+_ANONYMOUS_2B = ("<V2", "V2", "|V2")   # how bfloat16 arrays describe themselves (numpy has no bfloat16)
 _ALIASES = {"half": "float16", "f2": "float16", "bf16": "bfloat16", "float": "float32", "single": "float32",
             "double": "float64", "f4": "float32", "f8": "float64", "bool_": "bool", "e": "float16"}
 _SUPPORTED = ", ".join(DTYPES)
@@ -138,7 +139,7 @@ def device_dtype(dtype):
         key = _ALIASES.get(s.lower(), s.lower())
         if key in DTYPES:
             return DTYPES[key]
-        if s in ("<V2", "V2", "|V2"):
+        if s in _ANONYMOUS_2B:
             raise Error(f"typestr {s!r} is an anonymous 2-byte type (this is how bfloat16 arrays export "
                         f"themselves to numpy): say which it is with [buf, 'bfloat16'], or pass the "
                         f"tensor itself (DLPack knows it is bfloat16)")
@@ -262,7 +263,7 @@ def _not_contiguous(what, shape, strides):
                  f"tensor.contiguous()) or a contiguous slice")
 
 
-def from_cuda_array_interface(obj, what="buffer", cai=None):
+def from_cuda_array_interface(obj, what="buffer", cai=None, typed_later=False):
     """DeviceBuffer from an object's ``__cuda_array_interface__`` (v0-v3), pointer taken as is."""
     if cai is None:
         try:
@@ -280,7 +281,10 @@ def from_cuda_array_interface(obj, what="buffer", cai=None):
     if cai.get("mask") is not None:
         raise Error(f"{what}: masked arrays (__cuda_array_interface__ mask) are not supported")
     shape = tuple(int(s) for s in cai["shape"])
-    dtype = dtype_from_typestr(cai["typestr"])
+    if typed_later and str(cai["typestr"]).strip() in _ANONYMOUS_2B:
+        dtype = DTYPES["uint16"]       # bfloat16's raw bits: the spec's dtype (parse_device_buffer) says what
+    else:
+        dtype = dtype_from_typestr(cai["typestr"])
     data = cai["data"]
     if not (isinstance(data, (tuple, list)) and len(data) == 2):
         raise Error(f"{what}: __cuda_array_interface__ data must be (pointer, read_only), got {data!r}")
@@ -441,8 +445,10 @@ def is_device_buffer(spec):
     return True
 
 
-def as_device_buffer(obj, what="buffer", stream=None):
-    """DeviceBuffer of a whole object: ``__cuda_array_interface__`` first, then DLPack."""
+def as_device_buffer(obj, what="buffer", stream=None, typed_later=False):
+    """DeviceBuffer of a whole object: ``__cuda_array_interface__`` first, then DLPack.
+    ``typed_later``: a spec names the dtype, so an anonymous 2-byte typestr (bfloat16's) is read as
+    raw bytes instead of refused."""
     if isinstance(obj, DeviceBuffer):
         return obj
     cai_error = None
@@ -453,7 +459,7 @@ def as_device_buffer(obj, what="buffer", stream=None):
     except Exception as exc:  # e.g. a bfloat16 torch tensor: its interface refuses, DLPack can say it
         cai, cai_error = None, exc
     if cai is not None:
-        return from_cuda_array_interface(obj, what, cai)
+        return from_cuda_array_interface(obj, what, cai, typed_later)
     dev = dlpack_device(obj)
     if dev is not None and dev[0] in DEVICE_TYPES:
         return from_dlpack(obj, what, stream)
@@ -466,7 +472,7 @@ def parse_device_buffer(spec, what="buffer", writable=False, stream=None):
     """Buffer spec -> flat :class:`DeviceBuffer` (no copy), as :func:`ddl.buffers.parse_buffer`."""
     buf, count, displ, dtype = split_spec(
         spec, what, f"{what} must be a device array or an mpi4py-style [buf, count, dtype] spec")
-    b = as_device_buffer(buf, what, stream)
+    b = as_device_buffer(buf, what, stream, typed_later=dtype is not None)
     if dtype is not None:
         dt = device_dtype(dtype)
         if dt != b.dtype:

@@ -35,7 +35,9 @@ device); keep the buffers alive until then. The other paths return when the resu
 
 **Reduction order.** Reductions happen in each chunk's program order, on every path (see
 :mod:`ddl.gpu.launch_plan`), and the kernels round after every operation: results are bitwise
-identical on every rank, to each other path, and to the host executor.
+identical on every rank, to each other path, and to the host executor running the same schedule. (The
+host executor's smallest calls on one node take its inline path instead, which reduces in rank order:
+the same values, possibly other last bits than a schedule's order; ``DDL_INLINE_BYTES=0`` turns it off.)
 """
 import ctypes
 import functools
