@@ -1116,6 +1116,19 @@ _MPI_SCRIPT = textwrap.dedent('''
         out = np.empty_like(x); ex.Allreduce(HostArray(x), HostArray(out), op=ddl.SUM)
         same(out, ref, f"Allreduce after a {call} one rank refused")
     ex.Free()
+    # a GPU that one rank cannot use (a wrong CUDA_VISIBLE_DEVICES): an error on every rank, no hang
+    class NoDeviceOnRank1(HostRuntime):
+        def device(self):
+            if rank == 1:
+                raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+            return 0
+    broken = NcclExecutor(comm, runtime=NoDeviceOnRank1(), path=path)
+    try:
+        broken.Allreduce(HostArray(np.zeros(4, np.float32)), HostArray(np.zeros(4, np.float32)))
+        raise SystemExit(f"rank {rank}: a GPU rank 1 cannot use was not noticed")
+    except ddl.Error as exc:
+        assert ("rank 1 cannot use its GPU" + (": cudaErrorNoDevice" if rank == 1 else " (its own error")) in str(exc), exc
+    checks += 1
     import importlib.util
     if importlib.util.find_spec("cupy") is None:
         # without CuPy a real device executor cannot run: a clear error on every rank, no hang

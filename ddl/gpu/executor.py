@@ -49,7 +49,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..agreement import announced
+from ..agreement import announced, format_ranks
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
 from ..ops import LOGICAL, SUM, check_op_dtype, reduce_into, resolve_op
@@ -482,7 +482,17 @@ class NcclExecutor:
             return self.path
         want = self.requested_path
         rt = self.runtime
-        self.device = rt.device() if hasattr(rt, "device") else None
+        try:                           # local, but its failure must reach every rank (the rest is collective)
+            self.device = rt.device() if hasattr(rt, "device") else None
+            failure = None
+        except Exception as exc:
+            failure = exc
+        failed = [r for r, bad in enumerate(self._mcomm.allgather(failure is not None)) if bad]
+        if failure is not None:
+            raise Error(f"ddl.gpu: rank {self.rank} cannot use its GPU: {failure}") from failure
+        if failed:
+            whose = "its" if len(failed) == 1 else "their"
+            raise Error(f"ddl.gpu: {format_ranks(failed)} cannot use {whose} GPU ({whose} own error says why)")
         reasons = []
         path = None
         if want in ("auto", "nccl"):
@@ -545,8 +555,15 @@ class NcclExecutor:
 
     def _nccl_init(self):
         from cupy.cuda import nccl
-        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = None
+        if self.rank == 0:
+            try:                       # rank 0 still takes part in the broadcast when this fails
+                uid = nccl.get_unique_id()
+            except Exception as exc:
+                uid = f"rank 0 could not create the NCCL unique id: {exc}"
         uid = self._mcomm.bcast(uid, root=0)
+        if isinstance(uid, str):
+            raise Error(uid)
         self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
 
     def _nccl_destroy(self):
