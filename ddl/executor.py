@@ -237,6 +237,8 @@ class CompiledPlan:
         self.ready0 = [k for k, nd in enumerate(need0) if nd == 0]
         self.original_index = orig
         self.scratch_elems = scratch
+        # bytes of one call's (scratch, work) pair (see resources, ScratchPool)
+        self.resource_bytes = (scratch + (self.count if self.needs_work else 0)) * isz
         # chunks needed here but never written: copy initial -> home (e.g. allgather's own block, 1 rank)
         copies = []
         for c in range(nchunks):
@@ -312,32 +314,27 @@ class ScratchPool:
         self.free = {}         # plan -> its free pairs; in order of last release, oldest first
         self.nbytes = 0
 
-    @staticmethod
-    def _size(pair):
-        return sum(a.nbytes for a in pair if a is not None)
-
     def acquire(self, plan):
         pairs = self.free.get(plan)
         if not pairs:
             return plan.resources()
+        self.nbytes -= plan.resource_bytes
         pair = pairs.pop()
-        self.nbytes -= self._size(pair)
         if not pairs:
             del self.free[plan]
         return pair
 
     def release(self, plan, pair):
-        size = self._size(pair)
-        if not size:                   # nothing to reuse (a plan without scratch): keep no reference to it
+        if not plan.resource_bytes:    # nothing to reuse (a plan without scratch): keep no reference to it
             return
         pairs = self.free.pop(plan, [])
         if len(pairs) < self.per_plan:
             pairs.append(pair)
-            self.nbytes += size
+            self.nbytes += plan.resource_bytes
         self.free[plan] = pairs
         while (self.nbytes > self.budget or len(self.free) > self.plans) and len(self.free) > 1:
             oldest = next(iter(self.free))
-            self.nbytes -= sum(map(self._size, self.free.pop(oldest)))
+            self.nbytes -= len(self.free.pop(oldest)) * oldest.resource_bytes
 
     def clear(self):
         self.free.clear()

@@ -164,11 +164,11 @@ def test_scratch_is_reused_per_plan_and_bounded_in_bytes_over_all_plans():
 
     class Plan:                        # what the pool needs of a CompiledPlan: fresh arrays on demand
         def __init__(self, nbytes):
-            self.nbytes, self.made = nbytes, 0
+            self.resource_bytes, self.made = nbytes, 0
 
         def resources(self):
             self.made += 1
-            return np.empty(self.nbytes, np.uint8), None
+            return np.empty(self.resource_bytes, np.uint8), None
 
     pool = ScratchPool(budget=300, per_plan=2)
     a, b, c = Plan(100), Plan(100), Plan(1000)
@@ -315,6 +315,7 @@ def test_a_span_whose_chunks_take_different_operand_orders_is_reduced_chunk_by_c
     plan = CompiledPlan(sched, 2, 4, np.dtype(np.float64), "allreduce_inplace", ufunc=np.maximum)
     recv = np.array([-0.0, -0.0, 7.0, 7.0])
     scratch, work = plan.resources()
+    assert plan.resource_bytes == sum(a.nbytes for a in (scratch, work) if a is not None) > 0   # (ScratchPool)
     views = plan.views([None, recv, work, scratch])
     k = next(k for k, o in enumerate(plan.ops) if o[2] == span and o[0] in (C_REDUCE_EARLY, C_REDUCE_LATE))
     first, segments = views[k][1], views[k][2]
