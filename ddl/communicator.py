@@ -220,53 +220,12 @@ class Communicator:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         try:   # set-up errors of one rank (a file missing on its node) must not hang the others below
-            if check is None:
-                check = os.environ.get("DDL_CHECK", "always") or "always"
-            if check not in CHECK_MODES:
-                raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
-            self.check = check
-            self.algorithm = algorithm = "auto" if algorithm is None else algorithm
-            self._algorithm_of = self._algorithms(algorithm)
-            if self.size > 1:
-                from .algorithms import ALGORITHMS
-                names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}
-                unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
-                if unknown:
-                    raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, "
-                                    f"{', '.join(ALGORITHMS)}")
-            stall = {}
-            for name, given, default in (("stall_warning", stall_warning, _DEFAULT_STALL_WARNING),
-                                         ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
-                env = f"DDL_{name.upper()}"
-                stall[name] = (_seconds(name, given) if given is not None else
-                               _seconds(name, _env_float(env, default), f"env {env}"))
-
-            if topology is Communicator._UNSET:
-                topology = os.environ.get("DDL_TOPOLOGY") or None
-            self.topology = self._load_topology(topology)
-            if self.topology is not None and self.topology.nranks != self.size:
-                where = f" ({self.topology.source})" if getattr(self.topology, "source", None) else ""
-                raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
-                            f"communicator has {self.size} ranks: use a topology with one rank per process "
-                            f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
-            agreement = os.environ.get("DDL_AGREEMENT", "auto")
-            if agreement not in ("auto", "shm", "mpi"):
-                raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
-            limit = ShmBoard.inline_limit(self.size)
-            inline = _env_int("DDL_INLINE_BYTES", limit)
-            if not 0 <= inline <= limit:
-                raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
-                            f"on {self.size} ranks, got {inline}")
-            scratch_bytes = _env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
-            if scratch_bytes < 0:
-                raise Error(f"DDL_SCRATCH_BYTES must be zero or more bytes, got {scratch_bytes}")
-            self._planner = planner
-            self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None
-                                             else f"flat-{self.size}")
+            stall, agreement, inline, scratch_bytes = self._configure(check, algorithm, stall_warning,
+                                                                      stall_timeout, topology, planner)
         except Exception as exc:
-            _agree_on_setup(comm, exc)
+            _all_set_up(comm, exc)
             raise
-        _agree_on_setup(comm, None)
+        _all_set_up(comm, None)
 
         try:
             self._pcomm = comm.Dup()
@@ -288,7 +247,7 @@ class Communicator:
         if node is not None:
             node.Free()
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
-        use_board = self.size > 1 and check == "always" and local == self.size and agreement != "mpi"
+        use_board = self.size > 1 and self.check == "always" and local == self.size and agreement != "mpi"
         self.agreement = "shared-memory" if use_board else ("mpi" if self.size > 1 else "none")
         # auto, with ddl's planner, on one node: the smallest collectives ride on the agreement board
         self._inline = {c: inline if use_board and planner is None and self._algorithm_of(c) == "auto" else 0
@@ -335,6 +294,54 @@ class Communicator:
         if hasattr(topology, "fingerprint") and hasattr(topology, "nranks"):
             return topology
         raise Error(f"topology must be a file path, a ddl.Topology or None, got {type(topology).__name__}")
+
+    def _configure(self, check, algorithm, stall_warning, stall_timeout, topology, planner):
+        """This rank's own settings, checked (no communication): sets the attributes they give and returns
+        ``(stall settings, agreement, inline limit, scratch budget)`` for the collective set-up."""
+        if check is None:
+            check = os.environ.get("DDL_CHECK", "always") or "always"
+        if check not in CHECK_MODES:
+            raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+        self.check = check
+        self.algorithm = algorithm = "auto" if algorithm is None else algorithm
+        self._algorithm_of = self._algorithms(algorithm)
+        if self.size > 1:
+            from .algorithms import ALGORITHMS
+            names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}
+            unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
+            if unknown:
+                raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, "
+                                f"{', '.join(ALGORITHMS)}")
+        stall = {}
+        for name, given, default in (("stall_warning", stall_warning, _DEFAULT_STALL_WARNING),
+                                     ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
+            env = f"DDL_{name.upper()}"
+            stall[name] = (_seconds(name, given) if given is not None else
+                           _seconds(name, _env_float(env, default), f"env {env}"))
+
+        if topology is Communicator._UNSET:
+            topology = os.environ.get("DDL_TOPOLOGY") or None
+        self.topology = self._load_topology(topology)
+        if self.topology is not None and self.topology.nranks != self.size:
+            where = f" ({self.topology.source})" if getattr(self.topology, "source", None) else ""
+            raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
+                        f"communicator has {self.size} ranks: use a topology with one rank per process "
+                        f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
+        agreement = os.environ.get("DDL_AGREEMENT", "auto")
+        if agreement not in ("auto", "shm", "mpi"):
+            raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
+        limit = ShmBoard.inline_limit(self.size)
+        inline = _env_int("DDL_INLINE_BYTES", limit)
+        if not 0 <= inline <= limit:
+            raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
+                        f"on {self.size} ranks, got {inline}")
+        scratch_bytes = _env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
+        if scratch_bytes < 0:
+            raise Error(f"DDL_SCRATCH_BYTES must be zero or more bytes, got {scratch_bytes}")
+        self._planner = planner
+        self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None
+                                         else f"flat-{self.size}")
+        return stall, agreement, inline, scratch_bytes
 
     def _agree_on_setup(self):
         """All ranks must plan on the same topology with the same algorithm and check mode."""
@@ -818,7 +825,7 @@ class _GroupRequest(Request):
         return all(ex.done for ex in self._reqs)
 
 
-def _agree_on_setup(comm, error):
+def _all_set_up(comm, error):
     """Every rank says whether its own set-up failed (``error``) before the collective part of the
     constructor: a rank whose topology file is missing, or whose settings are wrong, raises its own
     error, and the others a :class:`ddl.Error` naming it, instead of waiting in ``MPI_Comm_dup``."""
