@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, MIN_VARIANT_GAIN, SPAN_PIECES, WAVE_CAPS, WAVE_LAG,
-                                        WAVE_MIN_BYTES, _holders, ramp, share_weights, stage_partitions, variant_gain,
-                                        wave_depth, wave_parts)
+from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, SPAN_PIECES, WAVE_CAPS, WAVE_LAG, WAVE_MIN_BYTES,
+                                        _holders, ramp, share_weights, stage_partitions, wave_depth, wave_parts)
+from ddl.algorithms.variants import MIN_VARIANT_GAIN, replaces, variant_gain
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
 from ddl.algorithms.ring_packing import MAX_RANKS as PACKING_MAX_RANKS
@@ -415,6 +415,9 @@ def test_more_messages_must_earn_a_margin_only_where_they_cost_nothing():
     assert variant_gain(900, 600) == MIN_VARIANT_GAIN          # more messages, none charged: 1%
     assert variant_gain(600, 900) == variant_gain(600, 600) < 1e-6
     assert variant_gain(900, 600, message_cost=2e-6) < 1e-6     # charged by the simulator: any gain
+    assert replaces(0.98, 900, 1.0, 600) and not replaces(0.995, 900, 1.0, 600)
+    assert replaces(0.995, 600, 1.0, 900) and replaces(0.995, 900, 1.0, 600, message_cost=2e-6)
+    assert not replaces(1.0, 600, 1.0, 900)                      # a tie keeps the first
 
 
 @pytest.mark.parametrize("name,stages,waves", [("dgx-a100-2x8", [2, 1], 8), ("leaf-spine-2rack", [8, 1], 8),
@@ -445,7 +448,7 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
         assert again.info["wave_parts"] == t["wave_parts"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
         assert t["operations"] == again.nops
-        if kept is None or t["seconds"] < (1 - variant_gain(t["operations"], kept["operations"])) * kept["seconds"]:
+        if kept is None or replaces(t["seconds"], t["operations"], kept["seconds"], kept["operations"]):
             kept = t
     assert [len(st["groups"]) for st in sched.info["stages"]] == kept["stages"] == stages
     assert (sched.info["chunks_per_target"], sched.info["lift"]) == (kept["waves"], kept["lift"])

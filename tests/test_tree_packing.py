@@ -11,8 +11,10 @@ import pytest
 from ddl.algorithms import arborescence as arb
 from ddl.algorithms.arborescence import min_arborescence, pack_arborescences
 from ddl.algorithms.tree_packing import tree_packing
+from ddl.algorithms.variants import replaces
 from ddl.bounds import bandwidth_bound, cut_bound, cut_bound_graph, lower_bound
 from ddl.errors import PlanError
+from ddl.simulate import simulate
 from ddl.topology import Topology
 from ddl.verify import verify
 
@@ -347,3 +349,28 @@ def test_direct_link_trees_decline_without_a_sub_fabric():
                     [f"g{i}" for i in range(3)])
     with pytest.raises(PlanError, match="would repeat tree-packing"):
         tp.direct_link_trees(mesh, "allreduce", nbytes=N)
+
+
+def test_deeper_pipeline_kept_only_where_it_earns_its_messages():
+    """Beside the sub-chunks its step-length rule gives (8 here), tree-packing simulates as many more
+    per tree as keep each step MIN_STEP_SECONDS long, and keeps them only where they are predicted
+    1% faster: more messages, which the simulator does not charge for. Where the fabric is not
+    symmetric a shallow pipeline fills and drains for a step at each end (deeper: 1.1% faster); on a
+    star every rank reaches every other in one hop and depth gains nothing."""
+    for topo, deeper in ((asymmetric(), True), (star(5), False)):
+        sched = tree_packing(topo, "allreduce", nbytes=N)
+        tried = sched.info["pipelines_tried"]
+        steps = min(tp.MAX_PIPELINE, int(sched.info["seconds_per_byte"] * N / tp.MIN_STEP_SECONDS))
+        assert [t["pipeline"] for t in tried] == [tp.MIN_PIPELINE, steps] and steps > tp.MIN_PIPELINE
+        assert tried[0]["operations"] < tried[1]["operations"]
+        wins = replaces(tried[1]["seconds"], tried[1]["operations"], tried[0]["seconds"], tried[0]["operations"])
+        assert wins == deeper
+        kept = tried[1] if deeper else tried[0]
+        assert (sched.info["pipeline"], sched.nops) == (kept["pipeline"], kept["operations"])
+        assert simulate(topo, sched, N).seconds == kept["seconds"]
+        verify(sched)
+    assert "pipelines_tried" not in tree_packing(asymmetric(), "allreduce").info   # no size: nothing simulated
+    # steps shorter than MIN_STEP_SECONDS (the DGX-1's NVLinks: 0.4 ms at 8 per tree): nothing tried
+    dgx1 = tree_packing(Topology.load("topologies/dgx1-v100.yaml"), "allreduce", nbytes=N)
+    assert dgx1.info["seconds_per_byte"] * N / tp.MIN_PIPELINE < tp.MIN_STEP_SECONDS
+    assert "pipelines_tried" not in dgx1.info and dgx1.info["pipeline"] == tp.MIN_PIPELINE

@@ -107,12 +107,10 @@ where its groups have more than two ranks. Larger schedules take every tier, unt
 waves under the cap of 8 that the floor and the budget allow for those stages (the variants share
 one count, which fits the largest of them; at 256 ranks in three tiers that was two waves, 1.071 of
 the bound, where the stages kept allow three, 1.037). More waves are more messages, which the
-simulator charges nothing for unless the file gives a ``message_cost``, and on the emulated
-one-switch cluster (64 MiB, links at a fifth) sixteen waves predicted 0.25% faster than eight ran 7%
-slower (544-558 ms against 507-515 ms, two paired runs). So a variant with more operations replaces
-the one kept so far only where it is predicted ``MIN_VARIANT_GAIN`` (1%) faster; one with no more
-(fewer tiers, or the exchange: as many messages as the rings) wherever it is faster, as is any variant
-where the messages are charged.
+simulator charges nothing for unless the file gives a ``message_cost``: a variant with more
+operations replaces the one kept so far only where it is predicted 1% faster (see
+:mod:`ddl.algorithms.variants`); one with no more (fewer tiers, or the exchange: as many messages as
+the rings) wherever it is faster.
 """
 import math
 from itertools import combinations
@@ -122,6 +120,7 @@ from ..schedule import ScheduleBuilder
 from ..simulate import simulate
 from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
+from .variants import CHOOSE_VARIANTS_OPS, replaces
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
@@ -139,12 +138,9 @@ SPAN_PIECES = (16, 8, 4)
 WAVE_LAG = 2
 # The ramp of the waves may be lifted by up to this much where its smallest waves would be too small.
 MAX_LIFT = 3
-# Variants (tiers left out, more waves under these caps) are simulated to choose among them ...
+# Variants (tiers left out, more waves under these caps) are simulated to choose among them
+# (:mod:`ddl.algorithms.variants`).
 WAVE_CAPS = (MAX_PIPELINE, 12, 16)
-# ... where the largest has at most this many operations (a second or so of simulation each) ...
-CHOOSE_VARIANTS_OPS = 200_000
-# ... and one other than the first (every tier, fewest waves) must be predicted this much faster.
-MIN_VARIANT_GAIN = 0.01
 
 
 def stage_partitions(nranks, partitions):
@@ -428,7 +424,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
                       "operations": sched.nops, "seconds": seconds})
-        if kept is None or seconds < kept[0] * (1 - variant_gain(sched.nops, kept[2].nops, topo.message_cost)):
+        if kept is None or replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost):
             kept = (seconds, tiers, sched)
 
     for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
@@ -445,13 +441,6 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
                  tuple(info["exchange_stages"]), True)
     kept[2].info["variants_tried"] = tried
     return kept[2]
-
-
-def variant_gain(ops, kept_ops, message_cost=0.0):
-    """How much faster (relative) a variant of ``ops`` operations must be predicted than the one kept
-    so far, of ``kept_ops``: :data:`MIN_VARIANT_GAIN` if it sends more messages and the topology gives
-    no ``message_cost`` (the simulator then charges nothing for them), else any gain beyond rounding."""
-    return MIN_VARIANT_GAIN if ops > kept_ops and not message_cost else 1e-9
 
 
 def _ops_per_wave(p, stages, collective, span_pieces):
