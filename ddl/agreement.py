@@ -225,7 +225,9 @@ def format_ranks(ranks):
 
 _FIELDS = ((_SEQ, "call sequence (a rank skipped or added a ddl collective)"), (_COLL, "collective"),
            (_COUNT, "count"), (_ITEMSIZE, "dtype"), (_DT0, "dtype"), (_DT1, "dtype"), (_OP, "op"),
-           (_ROOT, "root"), (_SCHED, "schedule (algorithm= or planner differ between ranks)"),
+           (_ROOT, "root"), (_SCHED, "schedule (the ranks' algorithm=, planner, pinned schedule or plan cache differ: "
+                                              "node-local caches may hold other plans of this size class; give "
+                                              "all ranks one DDL_CACHE_DIR or delete the stale plan files)"),
            (_TOPO, "topology"), (_MODE, "check mode"))
 
 

@@ -389,8 +389,8 @@ class Communicator:
     @property
     def planner(self):
         if self._planner is None:
-            from .planner import Planner
-            self._planner = Planner(self.topology)
+            from .planner import Planner, flat_topology
+            self._planner = Planner(self.topology if self.topology is not None else flat_topology(1))
         return self._planner
 
     # ---- planning --------------------------------------------------------------------------------
@@ -438,8 +438,11 @@ class Communicator:
         return self._schedule(collective, nbytes, root)
 
     def explain(self, nbytes, collective="allreduce", root=0):
-        """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives)."""
-        return self.planner.plan(collective, _nbytes(nbytes), self._algorithm_of(collective), root)
+        """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives) of what runs
+        for this size: a pinned schedule, or the plan held for its size class, is evaluated as it is."""
+        planner = self.planner
+        explain = getattr(planner, "explain", planner.plan)      # (a foreign planner may have plan() only)
+        return explain(collective, _nbytes(nbytes), self._algorithm_of(collective), root)
 
     def _compiled(self, layout, count, dtype, op, root, sig_count):
         key = (layout, count, dtype, op, root)
@@ -452,6 +455,9 @@ class Communicator:
         elif dtype.hasobject:
             raise Error("buffers of Python objects cannot be communicated; use a numeric dtype")
         sched = self._schedule(collective, count * dtype.itemsize, root)
+        inline = self._inline[collective]      # (non-zero only with ddl's own planner)
+        if inline and self.planner.pinned(collective, root) is not None:
+            inline = 0                           # a pinned schedule runs at every size, the smallest too
         plan = CompiledPlan(sched, self.rank, count, dtype, layout, ufunc=op.ufunc if op is not None else None)
         sig = Signature(collective, sig_count, dtype, op, root, self._check_schedule(sched, collective, root), self._topology_digest,
                         self.check)
@@ -460,7 +466,7 @@ class Communicator:
             del self._plans[next(iter(self._plans))]
         entry = self._plans[key] = (plan, sig, finish, _LABEL[collective] + f"({sig_count} x {dtype.name}"
                                     + (f", {op.name})" if op is not None else
-                                       (f", root {root})" if collective == "broadcast" else ")")))
+                                       (f", root {root})" if collective == "broadcast" else ")")), inline)
         return entry
 
     def _finisher(self, layout, count, op):
@@ -497,7 +503,7 @@ class Communicator:
             raise Error("this ddl.Communicator was freed")
         if self._engine.inflight:
             _check_not_in_flight(send, recv, self._engine.inflight.values())
-        plan, sig, finish, label = self._compiled(layout, count, dtype, op, root, sig_count)
+        plan, sig, finish, label, limit = self._compiled(layout, count, dtype, op, root, sig_count)
         seq = self._seq
         self._seq = seq + 1
         mode = self.check
@@ -511,7 +517,6 @@ class Communicator:
         else:
             check = False
         ex = Execution(plan, seq, sig, check, label, send, recv, finish)
-        limit = self._inline[plan.schedule.collective]
         if limit:
             ex.inline = _inline_input(layout, send, recv, count, dtype.itemsize, root, self.rank, self.size, limit)
         ex.sig_hash = sig.hash(seq)

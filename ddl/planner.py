@@ -22,13 +22,12 @@ import hashlib
 import math
 import multiprocessing
 import os
-import tempfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import PlanError, ScheduleError
-from .schedule import COLLECTIVES, Schedule, gc_paused
+from .schedule import COLLECTIVES, Schedule, gc_paused, write_file
 from .simulate import Outpaced, simulate
 from .units import message_size
 from .verify import Abandoned, verify
@@ -103,9 +102,12 @@ class Planner:
         self.topo = topo
         self.workers = max(1, int(workers))
         if use_disk_cache is None:
-            use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "1") != "0"
+            use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "").strip().lower() not in ("0", "false", "no", "off")
         base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
-        self.cache_dir = Path(base) / _cache_generation() / topo.fingerprint[:16] if use_disk_cache else None
+        base = Path(base).expanduser()
+        self.cache_dir = base / _cache_generation() / topo.fingerprint[:16] if use_disk_cache else None
+        # why the last plan could not be stored (a read-only or full disk...), for ``ddl plan`` to say
+        self.cache_problem = None if use_disk_cache else "the disk cache is off (DDL_PLAN_CACHE)"
         self._schedules = {}
         self._pinned = {}
 
@@ -115,9 +117,20 @@ class Planner:
         broadcast) at any size, whatever algorithm is asked for: schedules are size-independent
         templates. It is proved here, so a wrong one fails now with :class:`ddl.ScheduleError`, not
         in the job; one for another rank count is a :class:`ddl.PlanError`. Returns the schedule."""
+        source = None
         if not isinstance(schedule, Schedule):
-            schedule = Schedule.load(schedule)
-        self._prove_given(schedule)
+            source = schedule
+            try:
+                schedule = Schedule.load(schedule)
+            except OSError as exc:
+                raise ScheduleError(f"{source}: cannot read the schedule ({exc.strerror or exc}); give the path "
+                                    f"of a file written by 'ddl plan --save'") from None
+        try:
+            self._prove_given(schedule)
+        except (PlanError, ScheduleError) as exc:
+            if source is None:
+                raise
+            raise type(exc)(f"{source}: {exc}") from None
         self._pinned[_pin_key(schedule.collective, schedule.root)] = schedule
         return schedule
 
@@ -156,13 +169,36 @@ class Planner:
             sched = self._load(key)
             if sched is None:
                 if algorithm == AUTO:
-                    sched = self.plan(collective, nbytes, AUTO, root).schedule    # cached by plan()
+                    made = self.plan(collective, nbytes, AUTO, root).schedule
+                    sched = self._schedules.get(key, made)     # plan() holds the first stored plan
                 else:
                     sched = self._build(algorithm, collective, size_class(nbytes), root)
                     _verified(sched)
-                    self._store(key, sched)
+                    sched = self._store(key, sched)
             self._schedules[key] = sched
         return sched
+
+    def pinned(self, collective, root=0):
+        """The schedule :meth:`pin` set for this call, or None."""
+        return self._pinned.get(_pin_key(collective, root)) if self._pinned else None
+
+    def explain(self, collective, nbytes, algorithm=AUTO, root=0):
+        """The :class:`Plan` of what :meth:`schedule` runs for this call: a pinned schedule or the plan
+        held for its size class (made for another size, or by another process), evaluated at
+        ``nbytes``; else a plan made now, with its alternatives."""
+        nbytes, root = _check_request(self.topo, collective, nbytes, root)
+        pinned = self.pinned(collective, root)
+        if pinned is not None:
+            return self.evaluate(pinned, nbytes, source="pinned")
+        plan = self.plan(collective, nbytes, algorithm, root)
+        held = self._schedules.get(_key(collective, nbytes, algorithm, root))
+        if held is not None and held != plan.schedule:
+            return self.evaluate(held, nbytes, source="the plan held for this size class")
+        return plan
+
+    def stored(self, collective, nbytes, algorithm=AUTO, root=0):
+        """The valid schedule the disk cache holds for this call's size class, or None."""
+        return None if self.cache_dir is None else self._load(_key(collective, nbytes, algorithm, root))
 
     def cache_file(self, collective, nbytes, algorithm=AUTO, root=0):
         """Where the disk cache keeps the schedule of this call (None without a disk cache)."""
@@ -237,9 +273,7 @@ class Planner:
         key = _key(collective, nbytes, algorithm, root)
         if nbytes > 0 and key not in self._schedules:   # a plan made ahead of a job (``ddl plan``) is
             held = self._load(key)                        # found by its ranks (0 bytes: every algorithm
-            if held is None:                              # ties, so not the 1-byte class's plan)
-                self._store(key, sched)
-            self._schedules[key] = sched if held is None else held
+            self._schedules[key] = held if held is not None else self._store(key, sched)  # ties)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 
@@ -277,20 +311,23 @@ class Planner:
         return sched
 
     def _store(self, key, sched):
+        """Store ``sched`` as the plan of its size class, unless another process stored a valid one
+        first: that one stays and is returned, so that every process runs the same plan (two sizes
+        of one class may choose differently). Returns the schedule the class holds."""
         if self.cache_dir is None:
-            return
-        tmp = None
+            return sched
+        path = self._path(key)
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            # a name no other writer uses, on any node of a shared file system; the rename is atomic
-            fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=self._path(key).stem + "-", dir=self.cache_dir)
-            os.close(fd)
-            sched.save(tmp)
-            os.replace(tmp, self._path(key))
-        except OSError:
+            if not write_file(path, sched.to_json(), replace=False):
+                held = self._load(key)
+                if held is not None:
+                    return held
+                write_file(path, sched.to_json())      # what was there is not a valid plan of this call
+        except OSError as exc:
             # a read-only home must not stop training; the memory cache still works
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+            self.cache_problem = f"{path}: cannot store the plan ({exc.strerror or exc})"
+        return sched
 
 
 def _pin_key(collective, root):

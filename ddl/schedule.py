@@ -43,9 +43,12 @@ split evenly.
 import gc
 import json
 import operator
+import os
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -279,8 +282,9 @@ class Schedule:
         return cls.from_dict(data)
 
     def save(self, path):
-        with open(path, "w") as f:
-            f.write(self.to_json())
+        """Write the schedule as JSON to ``path``, whole or not at all: a write that fails (a full disk)
+        leaves what the file held. OSError names the file."""
+        write_file(path, self.to_json())
 
     @classmethod
     def load(cls, path):
@@ -298,6 +302,41 @@ class Schedule:
     def __repr__(self):
         return (f"Schedule({self.algorithm or '?'} {self.collective}, {self.nranks} ranks, "
                 f"{self.nchunks} chunks{f' and {len(self.spans)} spans' if self.spans else ''}, {self.nops} ops)")
+
+
+def write_file(path, text, replace=True):
+    """Write ``text`` to ``path`` through a temporary file in its folder, renamed into place, so that
+    readers see the old file or the new one and never a part; readable as the umask allows (like a
+    file opened for writing, not a temporary file's 0600). ``replace=False``: only where ``path`` does
+    not exist yet (a hard link, which fails if it does, so that of two writers the first stays);
+    returns whether it wrote. OSError names ``path``."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=path.name + "-", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        if replace:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:                       # a file system without hard links
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _int(value, what):

@@ -69,7 +69,9 @@ def parse_size(text):
     m = _SIZE_RE.match(str(text))
     if not m:
         raise ValueError(f"cannot parse size {text!r}: write bytes, e.g. 1048576, 64MB or 256MiB")
-    value = float(m.group(1)) * _PREFIX[m.group(2)]
+    number, prefix = m.group(1), _PREFIX[m.group(2)]
+    # whole numbers exactly (a float would round 2**60 + 1 to 2**60), others through a float
+    value = int(number) * int(prefix) if number.isdigit() else float(number) * prefix
     if not value <= MAX_SIZE:
         raise ValueError(f"size {text!r} is beyond 1 EiB: write bytes, e.g. 64MiB or 2GiB")
     if value != int(value) or value < 0:

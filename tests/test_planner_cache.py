@@ -131,3 +131,93 @@ def test_only_broadcast_plans_are_kept_per_root(tmp_path):
     assert planner.schedule("allgather", 8000, root=3) is planner.schedule("allgather", 8000)
     assert planner.cache_file("broadcast", 8000, root=2) != planner.cache_file("broadcast", 8000)
     assert planner.schedule("broadcast", 8000, root=2).root == 2
+
+
+
+
+def test_a_plan_stored_by_another_process_while_planning_is_the_one_run(tmp_path, monkeypatch):
+    """Rank A plans a size class while another process (``ddl plan``, another job) stores its plan of
+    that class: A runs the stored plan, as every rank that starts later will (they load the file),
+    instead of its own. Before, A ran its own and later ranks the file's: a MismatchError."""
+    topo = flat_topology(4)
+    a, b = Planner(topo, cache_dir=tmp_path), Planner(topo, cache_dir=tmp_path)
+    theirs = b.schedule("allreduce", 1 << 20, algorithm="ring")
+    (path,) = tmp_path.rglob("*.json")
+    real = planner_module._predict
+
+    def meanwhile(*args, **kwargs):          # while A simulates, B's plan lands in A's class file
+        monkeypatch.setattr(planner_module, "_predict", real)
+        path.rename(path.with_name(path.name.replace("-ring-", "-auto-")))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(planner_module, "_predict", meanwhile)
+    mine = a.schedule("allreduce", 1 << 20)
+    assert mine == theirs and mine.algorithm == "ring"
+    assert Planner(topo, cache_dir=tmp_path).schedule("allreduce", 1 << 20) == mine   # a later rank
+
+
+def test_cache_files_are_readable_as_the_umask_allows_and_never_half_written(tmp_path):
+    import os
+    import stat
+
+    from ddl.schedule import write_file
+
+    old = os.umask(0o022)
+    try:
+        Planner(flat_topology(4), cache_dir=tmp_path).schedule("allreduce", 1000)
+        (path,) = tmp_path.rglob("*.json")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644          # other users of a shared cache read it
+        assert not write_file(path, "other", replace=False)       # the first stored stays
+        assert json.loads(path.read_text())["nranks"] == 4
+        assert write_file(path, "{}") and path.read_text() == "{}"
+        assert [p.name for p in path.parent.iterdir()] == [path.name]    # no temporary file left
+    finally:
+        os.umask(old)
+
+
+def test_an_unusable_cache_is_said_not_silent(tmp_path, monkeypatch, capsys):
+    from ddl.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("DDL_CACHE_DIR", str(afile))
+    assert main(["plan", "topologies/emulated-2rack.yaml", "--bytes", "4MiB", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "not cached  " in out and "cannot store the plan (Not a directory)" in out and "\ncached" not in out
+    for off in ("0", "false", "No", "off"):
+        monkeypatch.setenv("DDL_PLAN_CACHE", off)
+        assert Planner(flat_topology(2)).cache_dir is None
+    monkeypatch.setenv("DDL_PLAN_CACHE", "1")
+    monkeypatch.setenv("DDL_CACHE_DIR", "~/plans")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Planner(flat_topology(2)).cache_dir.parts[:len(tmp_path.parts) + 1] == (*tmp_path.parts, "plans")
+
+
+def test_a_plan_for_one_algorithm_says_which_jobs_load_it(tmp_path, monkeypatch, capsys):
+    from ddl.cli import main
+
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    assert main(["plan", "topologies/emulated-2rack.yaml", "--bytes", "4MiB", "--algorithm", "ring"]) == 0
+    assert "(a job's ranks that ask for algorithm='ring' on this topology load it" in capsys.readouterr().out
+
+
+def test_explain_describes_what_runs_and_pins_name_their_file(tmp_path):
+    import pytest
+
+    from ddl.errors import PlanError, ScheduleError
+
+    topo = flat_topology(4)
+    planner = Planner(topo, cache_dir=tmp_path)
+    held = planner.schedule("allreduce", 1 << 20, algorithm="ring")
+    (path,) = tmp_path.rglob("*.json")
+    path.rename(path.with_name(path.name.replace("-ring-", "-auto-")))
+    fresh = Planner(topo, cache_dir=tmp_path)
+    assert fresh.explain("allreduce", 1 << 20).schedule == held                  # the held plan, evaluated
+    assert "the plan held for this size class" in fresh.explain("allreduce", 1 << 20).reason
+    ring = tmp_path / "ring.json"
+    held.save(ring)
+    fresh.pin(str(ring))
+    assert "pinned" in fresh.explain("allreduce", 64).reason and fresh.pinned("allreduce") == held
+    with pytest.raises(ScheduleError, match=r"missing\.json: cannot read the schedule \(No such file"):
+        fresh.pin(str(tmp_path / "missing.json"))
+    with pytest.raises(PlanError, match=r"ring\.json: the schedule is for 4 ranks"):
+        Planner(flat_topology(3), cache_dir=tmp_path).pin(str(ring))

@@ -57,7 +57,8 @@ def test_bad_latencies(text):
 
 
 @pytest.mark.parametrize("text,size", [("1048576", 1048576), ("64MB", 64_000_000), ("256MiB", 2**28),
-                                       ("1 KiB", 1024), ("2k", 2000), (4096, 4096)])
+                                       ("1 KiB", 1024), ("2k", 2000), (4096, 4096),
+                                       ("9007199254740993", 2**53 + 1), ("3Ti", 3 * 2**40), ("1.5MiB", 3 << 19)])
 def test_sizes(text, size):
     assert parse_size(text) == size
 
@@ -68,7 +69,7 @@ def test_bad_sizes(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("text", ["1e400", "1e300", str(2 ** 61), "1e19"])
+@pytest.mark.parametrize("text", ["1e400", "1e300", str(2 ** 61), "1e19", str(2 ** 60 + 1)])
 def test_absurd_sizes_are_refused_not_overflowed(text):
     """1e400 is infinity (OverflowError in int()), 1e300 made a cache file name too long."""
     with pytest.raises(ValueError, match="beyond 1 EiB"):

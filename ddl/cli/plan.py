@@ -103,11 +103,7 @@ def run(args):
                     raise ScheduleError(f"{args.schedule}: {exc}") from None
                 continue
             plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
-            path = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
-            held = planner.held(args.collective, nbytes, args.algorithm, args.root)
-            # (0 bytes: nothing is stored; a job's empty call runs the 1-byte class's plan)
-            cached = None if path is None or held is None or not path.exists() else (path, held == plan.schedule, held)
-            plans.append((topo, plan, cached))
+            plans.append((topo, plan, _cache_state(planner, args, nbytes, plan)))
     if args.save:
         plans[0][1].schedule.save(args.save)
     records = [_record(topo, plan, cached, _timeline(topo, plan) if args.timeline else None)
@@ -152,9 +148,20 @@ def _strip(profile):
     return "".join(TIMELINE_LEVELS[min(top, int(x * top + 0.5))] for x in profile)
 
 
+def _cache_state(planner, args, nbytes, plan):
+    """What the disk cache holds for the plan's size class, as ``(file, whether it holds this plan,
+    the schedule it holds, why nothing is stored, the algorithm asked for)``, or None for 0 bytes
+    (nothing is stored: a job's empty call runs the 1-byte class's plan)."""
+    if nbytes == 0:
+        return None
+    path = planner.cache_file(args.collective, nbytes, args.algorithm, args.root)
+    stored = planner.stored(args.collective, nbytes, args.algorithm, args.root)
+    problem = None if stored is not None else (planner.cache_problem or f"{path}: the plan was not stored")
+    return path, stored is not None and stored == plan.schedule, stored, problem, args.algorithm
+
+
 def _record(topo, plan, cached=None, timeline=None):
-    """The plan as a JSON-ready dict; ``cached``: ``(the disk-cache file of its size class, whether it
-    holds this plan, the schedule it holds)`` or None."""
+    """The plan as a JSON-ready dict; ``cached``: :func:`_cache_state` or None."""
     from ..bounds import busbw
 
     p = topo.nranks
@@ -185,7 +192,9 @@ def _record(topo, plan, cached=None, timeline=None):
         "busiest_links": [{"link": f"{u}->{v}", "utilisation": util, "bytes": b} for (u, v), util, b in plan.busiest],
         "cache_file": str(cached[0]) if cached and cached[1] else None,
         "cache_holds_other": ({"file": str(cached[0]), "algorithm": cached[2].algorithm}
-                              if cached and not cached[1] else None),
+                              if cached and cached[2] is not None and not cached[1] else None),
+        "cache_problem": cached[3] if cached else None,
+        "cache_for_algorithm": cached[4] if cached else None,
         **extra,
     }
 
@@ -219,13 +228,17 @@ def _explain(topo, plan, r):
         from ..planner import size_class
         top = size_class(plan.nbytes)
         sizes = f"more than {format_size(top // 2)}, up to {format_size(top)}" if top > 1 else "1 B"
+        asked = r["cache_for_algorithm"]
+        who = "a job's ranks" if asked in (None, "auto") else f"a job's ranks that ask for algorithm={asked!r}"
         if r["cache_file"]:
-            lines.append(f"cached      {r['cache_file']}\n            (a job's ranks on this topology load it instead "
+            lines.append(f"cached      {r['cache_file']}\n            ({who} on this topology load it instead "
                          f"of planning: the plan of every {plan.collective} of its size class, {sizes})")
         else:
             other = r["cache_holds_other"]
             lines.append(f"not cached  {other['file']}\n            holds a plan made before for this size class "
-                         f"({sizes}; {other['algorithm']}), which a job's ranks run; delete it to store this one")
+                         f"({sizes}; {other['algorithm']}), which {who} run; delete it to store this one")
+    elif r["cache_problem"]:
+        lines.append(f"not cached  {r['cache_problem']}\n            (a job's ranks plan this size class themselves)")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
         ratio = f"{secs / plan.predicted_seconds:.2f}x the chosen time" if plan.predicted_seconds else "nothing to move"
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio})")

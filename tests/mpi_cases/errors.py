@@ -328,6 +328,14 @@ for n in (3, 1 << 12, 1 << 18):      # sizes beyond the inline limit run the sch
     v = np.full(n, r + 1.0)
     c.Allreduce(ddl.IN_PLACE, v)
     chk.ok(np.all(v == p * (p + 1) / 2), f"Allreduce with a pinned schedule, {n} elements")
+inline_sized = [entry for key, entry in c._plans.items() if isinstance(entry, tuple) and key[1] == 3]
+chk.ok(comm.inline_bytes > 0 and len(inline_sized) == 1 and inline_sized[0][4] == 0,
+       "a pinned schedule runs at inline sizes too (its plan has no inline limit)")
+solo = ddl.Communicator(MPI.COMM_SELF)             # one rank: no topology, but a planner all the same
+chk.ok(solo.explain(1024).nbytes == 1024, "explain on a one-rank communicator")
+expect(ddl.PlanError, lambda: solo.planner.pin(saved), f"the schedule is for {p} ranks",
+       label="pinning another rank count's schedule on one rank")
+solo.Free()
 odd = ddl.Communicator(WORLD, stall_timeout=60)    # ranks that pin different schedules: caught, not run
 odd.planner.pin(saved if r == 0 else Planner(flat_topology(p), use_disk_cache=False).schedule(
     "allreduce", 1 << 20, "recursive-doubling"))
