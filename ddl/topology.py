@@ -284,10 +284,14 @@ class Topology:
             return prefix
         if self._kinds[vertex] == "host":
             return vertex
-        order = {v: k for k, v in enumerate(self._kinds)}
         neighbours = set(self._graph.successors(vertex)) | set(self._graph.predecessors(vertex))
-        hosts = sorted((v for v in neighbours if self._kinds[v] == "host"), key=order.get)
+        hosts = sorted((v for v in neighbours if self._kinds[v] == "host"), key=self._node_order.get)
         return hosts[0] if hosts else None
+
+    @functools.cached_property
+    def _node_order(self):
+        """Position of every node in the file (built once: a rank's host is looked up per rank)."""
+        return {v: k for k, v in enumerate(self._kinds)}
 
     def host_of(self, i):
         """Host id of rank ``i``, or None when it has none."""

@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import pathlib
+import reprlib
 from collections import namedtuple
 
 import yaml
@@ -211,8 +212,10 @@ def parse(data, source=None):
     ``source`` names the file in error messages (``<dict>`` when None)."""
     where = source or "<dict>"
     if not isinstance(data, dict):
+        other = (" (NCCL topology XML and nvidia-smi output are not read: write the YAML or JSON form)"
+                 if isinstance(data, str) else "")
         _fail(where, None, f"the top level must be a mapping with name, nodes, links and ranks "
-                           f"(or name and tiers), not {_a(data)}")
+                           f"(or name and tiers), not {_a(data)}{other}")
     _check_keys(data, TOP_KEYS, where, None, "a topology")
     name = _string(data, "name", where, None, "the topology")
     description = _optional_string(data, "description", where)
@@ -581,15 +584,23 @@ def _fail(where, entry, message):
     raise TopologyError(message, source=where, entry=entry)
 
 
+# Wrong values are shown cut short, and built short: YAML aliases let a few hundred bytes stand for
+# gigabytes of nested lists, and a whole file of another format can arrive as one string.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict = 3, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother = 80, 80
+
+
 def _a(value):
-    """'a list', 'the string 'x'' ...: how a wrong value is described in messages."""
+    """'a list', 'the string 'x'' ...: how a wrong value is described in messages (at most 120
+    characters)."""
     if value is None:
         return "nothing (null)"
     if isinstance(value, str):
-        return f"the string {value!r}"
+        return f"the string {_SHORT.repr(value)}"
     names = {dict: "a mapping", list: "a list", tuple: "a tuple", bool: "a boolean", int: "a number",
              float: "a number"}
-    return f"{names.get(type(value), type(value).__name__)} ({value!r})"[:120]
+    return f"{names.get(type(value), type(value).__name__)} ({_SHORT.repr(value)})"[:120]
 
 
 def _did_you_mean(word, choices, cutoff=0.5):

@@ -139,6 +139,8 @@ def test_draw_says_the_file_it_wrote_and_refuses_a_folder_or_a_huge_dpi(tmp_path
     proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", tmp_path / "x.png", "--dpi", "100000")
     assert proc.returncode == 2 and "--dpi 100000: from 1 to 1200" in proc.stderr
     assert not (tmp_path / "x.png").exists()
+    proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", "", cwd=tmp_path)   # not the default name
+    assert proc.returncode == 2 and "-o needs a file name" in proc.stderr and not (tmp_path / "emulated-flat.png").exists()
 
 
 @pytest.mark.parametrize("args", [("topo",), ("topo", "validate"), ("topo", "show"), ("topo", "draw")])

@@ -177,10 +177,15 @@ def describe(topo):
     lines.append("rank links (sum of link bandwidth per direction at the rank's vertex):")
     summary = OrderedDict()
     g = topo.graph
+    links_at = Counter()                      # (one pass over the links, not one per rank)
+    for link in topo.links:
+        links_at[link.a] += link.count
+        if link.b != link.a:
+            links_at[link.b] += link.count
     for i, v in enumerate(topo.ranks):
         out_bw = sum(g.edges[v, u]["capacity"] for u in g.successors(v))
         in_bw = sum(g.edges[u, v]["capacity"] for u in g.predecessors(v))
-        nlinks = sum(l.count for l in topo.links if v in (l.a, l.b))
+        nlinks = links_at[v]
         to_kind = Counter()
         for u in g.successors(v):
             to_kind[topo.kind(u)] += g.edges[v, u]["capacity"]
@@ -567,7 +572,7 @@ def draw(topo, output, dpi=120):
 
 def cmd_draw(args):
     topo = _load(args.file)
-    output = args.output or os.path.splitext(os.path.basename(args.file))[0] + ".png"
+    output = args.output if args.output is not None else os.path.splitext(os.path.basename(args.file))[0] + ".png"
     check_output_file("-o", output, "topo.png")
     if not os.path.splitext(output)[1]:
         output += ".png"               # what matplotlib would write: say so instead of another name
