@@ -467,7 +467,7 @@ def _hierarchy(tiers, where):
     if not isinstance(tiers, list) or len(tiers) not in (2, 3):
         _fail(where, "tiers", "tiers must list 2 or 3 tiers, innermost first, e.g. [{name: gpu, count: 4, "
                               f"bandwidth: 150 GB/s}}, {{name: host, count: 16, bandwidth: 100 Gbit/s}}], "
-                              f"not {_a(tiers)}")
+                              + (f"not {len(tiers)}" if isinstance(tiers, list) else f"not {_a(tiers)}"))
     parsed = [_tier(entry, k, where) for k, entry in enumerate(tiers)]
     leaves = math.prod(t.count for t in parsed)
     if leaves > MAX_REPEATS:
@@ -640,12 +640,12 @@ def _bandwidth(value, where, label, key):
         _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
                             f"{BANDWIDTH_UNITS}, e.g. '25 GB/s' or '100 Gbit/s'"
                             f"{missing_unit_hint(value, f'{value} B/s')}")
+    what = ("the rate at which the node adds up data, e.g. '200 GB/s'" if key == "reduce_bandwidth" else
+            "the rate of one link in one direction, e.g. '25 GB/s'")
     if not math.isfinite(result) or result <= 0:
-        _fail(where, label, f"{key} must be positive and finite, got {value!r}; give the rate of one "
-                            f"link in one direction, e.g. '25 GB/s'")
+        _fail(where, label, f"{key} must be positive and finite, got {value!r}; give {what}")
     if not MIN_BANDWIDTH <= result <= MAX_BANDWIDTH:
-        _fail(where, label, f"{key} {value!r} is outside what ddl plans for (1 B/s to 1 EB/s); give the "
-                            f"rate of one link in one direction, e.g. '25 GB/s'")
+        _fail(where, label, f"{key} {value!r} is outside what ddl plans for (1 B/s to 1 EB/s); give {what}")
     return result
 
 

@@ -548,6 +548,8 @@ def tiered(*tiers):
 
 @pytest.mark.parametrize("data,entry,fragment", [
     (tiered({"count": 4, "bandwidth": "1 GB/s"}), "tiers", "2 or 3 tiers"),
+    (tiered({"count": 4, "bandwidth": "1 GB/s"}), "tiers", "Gbit/s}], not 1"),
+    (tiered(*[{"count": 2, "bandwidth": "1 GB/s"}] * 4), "tiers", "Gbit/s}], not 4"),
     ({"name": "t", "tiers": {"gpu": 4}}, "tiers", "2 or 3 tiers"),
     (tiered({"count": 4, "bandwidth": "1 GB/s"}, {"count": 0, "bandwidth": "1 GB/s"}), "tiers[1]",
      "count must be a whole number >= 1"),
