@@ -327,7 +327,7 @@ class Communicator:
             raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
                         f"communicator has {self.size} ranks: use a topology with one rank per process "
                         f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
-        agreement = os.environ.get("DDL_AGREEMENT", "auto")
+        agreement = os.environ.get("DDL_AGREEMENT") or "auto"      # (set but empty: the default, as DDL_CHECK)
         if agreement not in ("auto", "shm", "mpi"):
             raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
         limit = ShmBoard.inline_limit(self.size)

@@ -80,6 +80,8 @@ def test_absurd_sizes_are_refused_not_overflowed(text):
 def test_formatting():
     assert format_bandwidth(25e9) == "25 GB/s"
     assert format_bandwidth(12.5e6) == "12.5 MB/s"
+    assert format_bandwidth(999999999.9999999) == "1 GB/s" and format_bandwidth(999.94) == "999.9 B/s"   # not "1000 MB/s"
+    assert format_seconds(0.99999999) == "1 s" and format_size(2**20 - 1) == "1 MiB" and format_size(1000) == "1000 B"
     assert format_size(2**28) == "256 MiB"
     assert format_size(100) == "100 B"
     assert format_seconds(1.5e-5) == "15 us"
