@@ -271,9 +271,11 @@ class Planner:
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
         reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
         key = _key(collective, nbytes, algorithm, root)
-        if nbytes > 0 and key not in self._schedules:   # a plan made ahead of a job (``ddl plan``) is
-            held = self._load(key)                        # found by its ranks (0 bytes: every algorithm
-            self._schedules[key] = held if held is not None else self._store(key, sched)  # ties)
+        # a plan made ahead of a job (``ddl plan``) is found by its ranks; the first stored stays (0 bytes:
+        # every algorithm ties, so not the 1-byte class's plan)
+        if nbytes > 0 and key not in self._schedules:
+            held = self._load(key)
+            self._schedules[key] = held if held is not None else self._store(key, sched)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 
