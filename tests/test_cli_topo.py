@@ -98,6 +98,13 @@ def test_show_large_hierarchy_is_compact():
     assert len(out.splitlines()) < 40
 
 
+def test_show_of_one_rank_names_no_rate(tmp_path):
+    single = tmp_path / "one.yaml"
+    single.write_text("name: one\nnodes:\n  - {id: g0, kind: gpu}\nlinks: []\nranks: [g0]\n")
+    proc = ddl("topo", "show", single)
+    assert proc.returncode == 0 and "  0:           -  1 group of 1" in proc.stdout and "inf" not in proc.stdout
+
+
 def test_show_bad_file_is_one_error_line(bad_files):
     proc = ddl("topo", "show", bad_files[0])
     assert proc.returncode == 2

@@ -172,7 +172,8 @@ def describe(topo):
         detail = ""
         if 1 < len(groups) <= 8:
             detail = "  " + " ".join(f"[{compact_ranges(g)}]" for g in groups)
-        lines.append(f"  {k}: {format_bandwidth(tier.bandwidth):>11}  {_group_sizes(groups)}{detail}")
+        rate = format_bandwidth(tier.bandwidth) if math.isfinite(tier.bandwidth) else "-"   # (one rank: no link)
+        lines.append(f"  {k}: {rate:>11}  {_group_sizes(groups)}{detail}")
 
     lines.append("rank links (sum of link bandwidth per direction at the rank's vertex):")
     summary = OrderedDict()
