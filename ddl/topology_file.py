@@ -511,6 +511,9 @@ def _tier(entry, k, where):
         if kind not in KINDS:
             _fail(where, label, f"unknown kind {kind!r}{_did_you_mean(str(kind), KINDS)}; kind is one of "
                                 f"{', '.join(KINDS)}")
+        if kind not in RANK_KINDS:     # the first tier's nodes are the ranks
+            _fail(where, label, f"kind {kind!r}: the first tier's nodes are the ranks, which run on a "
+                                f"{', '.join(RANK_KINDS[:-1])} or {RANK_KINDS[-1]} node")
     return _TierEntry(name, count, bandwidth, latency, kind)
 
 

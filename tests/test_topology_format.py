@@ -560,6 +560,8 @@ def tiered(*tiers):
      "must be positive"),
     (tiered({"count": 4, "bandwidth": "1 GB/s"}, {"count": 2, "bandwidth": "1 GB/s", "kind": "cpu"}),
      "tiers[1]", "only to the first"),
+    (tiered({"count": 4, "bandwidth": "1 GB/s", "kind": "switch"}, {"count": 2, "bandwidth": "1 GB/s"}),
+     "tiers[0]", "the first tier's nodes are the ranks, which run on a gpu, cpu or host node"),
     (tiered("gpu", {"count": 2, "bandwidth": "1 GB/s"}), "tiers[0]", "a tier is a mapping"),
     ({**tiered({"count": 1, "bandwidth": "1 GB/s"}, {"count": 2, "bandwidth": "1 GB/s"}), "nodes": []},
      "tiers", "replaces nodes and links"),
