@@ -221,3 +221,19 @@ def test_explain_describes_what_runs_and_pins_name_their_file(tmp_path):
         fresh.pin(str(tmp_path / "missing.json"))
     with pytest.raises(PlanError, match=r"ring\.json: the schedule is for 4 ranks"):
         Planner(flat_topology(3), cache_dir=tmp_path).pin(str(ring))
+
+
+def test_ddl_plan_proves_its_plan_once_also_where_the_cache_holds_it(tmp_path, monkeypatch, capsys):
+    """``ddl plan`` proves the schedule it chose; the same schedule read back from the cache (to say
+    whether the file holds it, or found there by a second run) is not proved again."""
+    from ddl.cli import main
+
+    proofs = []
+    real = planner_module._verified
+    monkeypatch.setattr(planner_module, "_verified", lambda sched, stop=None: proofs.append(sched) or real(sched, stop))
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    for run in range(2):
+        proofs.clear()
+        assert main(["plan", "topologies/emulated-2rack.yaml", "--bytes", "4MiB", "--workers", "1"]) == 0
+        assert "cached      " in capsys.readouterr().out
+        assert len(proofs) == 1, run
