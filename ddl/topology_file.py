@@ -31,6 +31,7 @@ from .units import BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_band
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
+_RANK_NODE = f"a {', '.join(RANK_KINDS[:-1])} or {RANK_KINDS[-1]} node"     # (in messages)
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e18     # bytes/s: 1 B/s to 1 EB/s (beyond, times over- or underflow)
 DEFAULT_LATENCY = 1e-6  # seconds, when neither the link nor the file's defaults give one
 
@@ -284,8 +285,8 @@ def _normalize(name, description, defaults, nodes, links, ranks, where, source):
     rank_list = _ranks(ranks, label_of, where)
     for label, vertex in zip((label for label, _ in ranks), rank_list):
         if kinds[vertex] not in RANK_KINDS:
-            _fail(where, label, f"rank {vertex!r} is a {kinds[vertex]} node, which runs no process; a rank is a "
-                                f"{', '.join(RANK_KINDS[:-1])} or {RANK_KINDS[-1]} node")
+            _fail(where, label, f"rank {vertex!r} is a {kinds[vertex]} node, which runs no process; a rank is "
+                                f"{_RANK_NODE}")
     return Spec(name, description, defaults, tuple(node_list), tuple(link_list), tuple(rank_list), source)
 
 
@@ -465,9 +466,9 @@ def _hierarchy(tiers, where):
     Children of tier k are linked to their parent with tier k's bandwidth; ids follow the contract
     (``r{rack}/h{host}/gpu{g}`` with 3 tiers, ``h{host}/gpu{g}`` with 2)."""
     if not isinstance(tiers, list) or len(tiers) not in (2, 3):
-        _fail(where, "tiers", "tiers must list 2 or 3 tiers, innermost first, e.g. [{name: gpu, count: 4, "
-                              f"bandwidth: 150 GB/s}}, {{name: host, count: 16, bandwidth: 100 Gbit/s}}], "
-                              + (f"not {len(tiers)}" if isinstance(tiers, list) else f"not {_a(tiers)}"))
+        example = "[{name: gpu, count: 4, bandwidth: 150 GB/s}, {name: host, count: 16, bandwidth: 100 Gbit/s}]"
+        given = len(tiers) if isinstance(tiers, list) else _a(tiers)
+        _fail(where, "tiers", f"tiers must list 2 or 3 tiers, innermost first, e.g. {example}, not {given}")
     parsed = [_tier(entry, k, where) for k, entry in enumerate(tiers)]
     leaves = math.prod(t.count for t in parsed)
     if leaves > MAX_REPEATS:
@@ -512,8 +513,7 @@ def _tier(entry, k, where):
             _fail(where, label, f"unknown kind {kind!r}{_did_you_mean(str(kind), KINDS)}; kind is one of "
                                 f"{', '.join(KINDS)}")
         if kind not in RANK_KINDS:     # the first tier's nodes are the ranks
-            _fail(where, label, f"kind {kind!r}: the first tier's nodes are the ranks, which run on a "
-                                f"{', '.join(RANK_KINDS[:-1])} or {RANK_KINDS[-1]} node")
+            _fail(where, label, f"kind {kind!r}: the first tier's nodes are the ranks, which run on {_RANK_NODE}")
     return _TierEntry(name, count, bandwidth, latency, kind)
 
 

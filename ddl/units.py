@@ -98,23 +98,27 @@ def format_bandwidth(bytes_per_second):
 def format_size(nbytes):
     """Binary units for sizes: 268435456 -> '256 MiB'."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale or f"{nbytes / scale:.4g}" == "1":
+        if _shows_one_or_more(nbytes / scale):
             return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes} B"
 
 
 def format_seconds(seconds):
     """1.5e-5 -> '15 us'."""
-    rounded = float(f"{seconds:.4g}")    # (0.99999999 s is '1 s', not '1000 ms')
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(rounded) >= scale:
+        if _shows_one_or_more(seconds / scale):
             return f"{seconds / scale:.4g} {unit}"
     return f"{seconds / 1e-9:.4g} ns"
 
 
 def _format(value, unit):
-    rounded = float(f"{value:.4g}")     # the prefix of the value as shown: 999999999.99 is 1 G, not 1000 M
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(rounded) >= scale:
+        if _shows_one_or_more(value / scale):
             return f"{value / scale:.4g} {prefix}{unit}"
     return f"{value:.4g} {unit}"
+
+
+def _shows_one_or_more(x):
+    """Whether ``x`` in a unit reads as at least 1 with the 4 digits shown: the unit is chosen for the
+    value as shown (999999999.99 B/s is '1 GB/s', not '1000 MB/s')."""
+    return abs(float(f"{x:.4g}")) >= 1

@@ -46,8 +46,9 @@ tree (up to ``MAX_PIPELINE``) are kept where they are predicted at least 1% fast
 (:mod:`ddl.algorithms.variants`; both are simulated when the size is given and the schedules are
 small): the heterogeneous cluster's T4 NICs wait a step for the first sums and idle a step at the
 end, and 32 sub-chunks instead of 15 take its 256 MiB allreduce from 1.046 to 1.029 of the bound.
-(The fast fabric above had steps of about 0.4 ms at 32 sub-chunks.) Sub-chunks of a piece are equal (a rank pair's messages leave one after
-the other, so each hop of a tree works on one sub-chunk while the next hop forwards the one before).
+(The fast fabric above had steps of about 0.4 ms at 32 sub-chunks.) Sub-chunks of a piece are equal
+(a rank pair's messages leave one after the other, so each hop of a tree works on one sub-chunk while
+the next hop forwards the one before).
 Programs list transfers by pipeline step, then piece, then block, in
 breadth-first order (leaves first for reductions), so an executor that serves a peer in program
 order pipelines as well. ``Schedule.routes`` pins the physical paths the LP chose (byte shares per
@@ -364,9 +365,10 @@ def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
 def _deeper_if_faster(topo, sched, deeper, nbytes):
     """``deeper`` (the same trees, more sub-chunks, steps of at least MIN_STEP_SECONDS) where it is
     predicted faster by the margin that more messages must earn (:mod:`ddl.algorithms.variants`),
-    else ``sched``; both small enough to simulate in a moment. A packing fills and drains for about one pipeline step at each end; on the
-    heterogeneous cluster, whose T4 hosts' NICs wait for the first step's sums, 32 sub-chunks per
-    tree are predicted 1.7% faster than 15 (88.4 ms against 89.9 ms at 256 MiB)."""
+    else ``sched``; both small enough to simulate in a moment. A packing fills and drains for about
+    one pipeline step at each end; on the heterogeneous cluster, whose T4 hosts' NICs wait for the
+    first step's sums, 32 sub-chunks per tree are predicted 1.7% faster than 15 (88.4 ms against
+    89.9 ms at 256 MiB)."""
     if deeper.nops <= sched.nops or deeper.nops > CHOOSE_VARIANTS_OPS:
         return sched
     tried = [(s, simulate(topo, s, nbytes).seconds) for s in (sched, deeper)]
