@@ -175,6 +175,20 @@ def simulate(topo, schedule, nbytes, ceiling=None, trace=()):
     return _Run(topo, schedule, nbytes, ceiling, tuple(trace)).run()
 
 
+def load_seconds(topo, schedule, nbytes):
+    """The busiest link's bytes over its capacity when ``schedule`` moves a buffer of ``nbytes``: a
+    lower bound on its makespan, found without simulating (the bytes a link carries do not depend on
+    when they cross it). Two layouts of the same data that differ only in which links carry it compare
+    by this at a fraction of a simulation's cost."""
+    run = _Run(topo, schedule, float(nbytes))
+    n, kind, rank, size, partner, _, _ = run._flatten()
+    if n == 0:
+        return 0.0
+    _, pair_route, pair_bytes, _ = run._pairs(kind, rank, partner, size)
+    total = _link_totals(run.fabric, pair_route, pair_bytes)
+    return float((total / np.array(run.fabric.caps)).max()) if len(total) else 0.0
+
+
 def max_min_rates(flow_links, capacity, weights=None, bottlenecks=False):
     """Weighted max-min fair rates by progressive filling (numpy).
 

@@ -11,7 +11,8 @@ from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, SPAN_PIECES, WAVE_CAPS, WAVE_LAG, WAVE_MIN_BYTES,
-                                        _holders, ramp, share_weights, stage_partitions, wave_depth, wave_parts)
+                                        _holders, leader_shares, ramp, share_weights, stage_partitions, wave_depth,
+                                        wave_parts)
 from ddl.algorithms.variants import MIN_VARIANT_GAIN, replaces, variant_gain
 from ddl.algorithms.ring import nested_order, pipeline_depth, rank_partitions, widest_ring
 from ddl.algorithms.ring_channels import channels_schedule
@@ -20,7 +21,8 @@ from ddl.algorithms.tree_packing import direct_links
 from ddl.bounds import lower_bound
 from ddl.errors import PlanError
 from ddl.planner import flat_topology
-from ddl.simulate import simulate
+from ddl.schedule import SEND
+from ddl.simulate import load_seconds, simulate
 from ddl.topology import Topology
 from ddl.verify import verify
 
@@ -348,16 +350,17 @@ def test_hierarchical_stages_match_tiers():
 
 
 def test_hierarchical_waves_overlap_the_stages():
-    # 64 MiB on 32 ranks in three tiers: 6 chunks per target (3+4+5+5+4+3 parts: the 256 KiB floor
-    # allows no steeper ramp), listed as 6 waves through the stages, so the slow tier works while the
-    # fast ones reduce the next wave: faster than stage after stage
+    # 64 MiB on 32 ranks in three tiers: chunks down to the 256 KiB floor, listed as waves through the
+    # stages, so the slow tier works while the fast ones reduce the next wave: faster than stage after
+    # stage
     topo = three_tier(gpus=4, hosts=4, racks=2)
     nbytes = 64 << 20
     waved = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     info = waved.info
-    assert info["chunks_per_target"] == info["waves"] == 6 and info["lift"] == 2
+    k = info["chunks_per_target"]
+    assert k == info["waves"] > 4 and min(waved.chunk_fractions) * nbytes >= WAVE_MIN_BYTES
     staged = hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "allreduce",
-                                   6, waves=1)
+                                   k, waves=1, exchange=info["exchange_stages"], leaders=info["leaders"])
     assert np.allclose(waved.bytes_sent(nbytes), staged.bytes_sent(nbytes))   # the same traffic, reordered
     verify(waved)
     assert simulate(topo, waved, nbytes).seconds < 0.85 * simulate(topo, staged, nbytes).seconds
@@ -376,7 +379,9 @@ def test_hierarchical_waves_ramp_up_and_down():
     k = sched.info["chunks_per_target"]
     assert k >= 8 and sched.info["waves"] == k
     # wave-major: chunk j of every target, then chunk j + 1 (see hierarchical._span_order)
-    assert sched.info["ramped"] and sched.pattern == tuple(np.repeat(ramp(k, sched.info["lift"]), topo.nranks))
+    held = 4 if sched.info["leaders"] else 1      # with leaders, one target per host holds its four shares
+    assert sched.info["ramped"] and sched.pattern == tuple(
+        np.repeat(np.array(ramp(k, sched.info["lift"])) * held, topo.nranks // held))
     verify(sched)
     # eight waves fully ramped (1, 2, 3, 4, 4, 3, 2, 1) against eight equal ones
     order, parts = sched.info["order"], [st["groups"] for st in sched.info["stages"]][:-1]
@@ -420,13 +425,15 @@ def test_more_messages_must_earn_a_margin_only_where_they_cost_nothing():
     assert not replaces(1.0, 600, 1.0, 900)                      # a tie keeps the first
 
 
-@pytest.mark.parametrize("name,stages,waves", [("dgx-a100-2x8", [2, 1], 8), ("leaf-spine-2rack", [8, 1], 8),
-                                               ("fat-tree-4x4-r16", [4, 1], 8)])
-def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages, waves):
+@pytest.mark.parametrize("name,stages,waves,leaders", [("dgx-a100-2x8", [2, 1], 8, False),
+                                                        ("leaf-spine-2rack", [8, 1], 16, True),
+                                                        ("fat-tree-4x4-r16", [4, 1], 16, True)])
+def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages, waves, leaders):
     # which stages and how many waves overlap best is no rule's: on the A100 pair more waves are
     # predicted slower (with the lag); on the leaf-spine one ring over all hosts beats a stage per rack
     # and one across; on the 16:1 fat tree more waves are predicted faster, but by less than the 1% a
-    # variant must earn.
+    # variant must earn, until leaders (a quarter of the messages) take them. The A100 pair's GPUs have
+    # a NIC each: leaders would send a box's traffic through one of them, and are not tried.
     # Every variant tried is rebuilt here and simulated again.
     topo = Topology.load(ZOO / f"{name}.yaml")
     nbytes = 256 << 20
@@ -435,7 +442,7 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     tried = sched.info["variants_tried"]
     depths = sorted({wave_depth(nbytes, p, 4 * (p - 1), most) for most in WAVE_CAPS})
     assert (tried[0]["waves"], tried[0]["lift"]) == depths[0]          # every tier, fewest waves, first
-    rings = [(t["waves"], t["lift"]) for t in tried if not t["exchange"]]
+    rings = [(t["waves"], t["lift"]) for t in tried if not t["exchange"] and not t["leaders"]]
     assert rings[-2:] == depths[1:]                                     # then more waves
     order = sched.info["order"]
     by_size = {len(part): part for part in rank_partitions(topo)}
@@ -443,7 +450,8 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     for t in tried:
         again = hierarchical_schedule(order, [by_size[n] for n in t["stages"] if n > 1], "allreduce", t["waves"],
                                       waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG,
-                                      exchange=t["exchange"], split=True, balanced=t["balanced"])
+                                      exchange=t["exchange"], split=True, balanced=t["balanced"],
+                                      leaders=t["leaders"])
         assert [len(st["groups"]) for st in again.info["stages"]] == t["stages"]
         assert again.info["wave_parts"] == t["wave_parts"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]
@@ -453,7 +461,9 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     assert [len(st["groups"]) for st in sched.info["stages"]] == kept["stages"] == stages
     assert (sched.info["chunks_per_target"], sched.info["lift"]) == (kept["waves"], kept["lift"])
     assert sched.info["exchange_stages"] == kept["exchange"]
-    assert tried[-1]["exchange"] == [1]                # the fastest stage exchanging directly: tried last
+    # the fastest stage exchanging directly: tried last but leaders
+    assert [t["exchange"] for t in tried if not t["leaders"]][-1] == [1]
+    assert any(t["leaders"] for t in tried) == leaders == sched.info["leaders"]
     assert sched.info["chunks_per_target"] == waves
     assert simulate(topo, sched, nbytes).seconds == kept["seconds"]
     if name == "leaf-spine-2rack":     # leaving the rack tier out: 1.080 -> within 1.02 of the bound
@@ -467,27 +477,85 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
 
 
 @pytest.mark.parametrize("racks", [3, 4])
-def test_hierarchical_tries_no_variants_on_large_schedules(monkeypatch, racks):
-    # 192 and 256 ranks: even the smallest schedule with waves exceeds what is simulated to choose;
-    # every tier is taken, with as many waves as the floor and the budget allow for those stages
+def test_hierarchical_tries_only_leaders_on_large_schedules(monkeypatch, racks):
+    # 192 and 256 ranks: even the smallest schedule with waves exceeds what is simulated to choose.
+    # Every tier is taken, with leaders (the four GPUs of a host share its NIC, so they load no link
+    # more): the most waves the floor and the budget allow under the highest cap, the first stage by
+    # ring and exchanging directly, the faster kept. Nothing else is simulated.
     import importlib
 
     hier = importlib.import_module("ddl.algorithms.hierarchical")
-    monkeypatch.setattr(hier, "simulate", lambda *a, **k: pytest.fail("simulated a large schedule"))
+    simulated = []
+    monkeypatch.setattr(hier, "simulate", lambda topo, sched, nbytes: simulated.append(sched) or simulate(
+        topo, sched, nbytes))
     topo = three_tier(gpus=4, hosts=16, racks=racks)
     nbytes, p = 256 << 20, topo.nranks
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     info = sched.info
-    assert "variants_tried" not in info and len(info["stages"]) == 3
+    assert len(info["stages"]) == 3 and info["leaders"]
+    assert [s.info["exchange_stages"] for s in simulated] == [[], [1]]
+    assert all(s.info["leaders"] for s in simulated) and sched in simulated
+    assert [t["seconds"] for t in info["variants_tried"]] == [simulate(topo, s, nbytes).seconds for s in simulated]
     k, lift = info["chunks_per_target"], info["lift"]
+    leaders = p // 4                 # a share per host
     assert k > 1 and sched.nops <= MAX_WAVE_OPS
-    assert nbytes * (1 + lift) // (p * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
-    # one wave more, even with the fewest spans, breaks the budget or the floor at every lift
+    assert nbytes * (1 + lift) // (leaders * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
+    # one wave more (up to the highest cap), even with the fewest spans, breaks the budget or the floor
     tiers = [st["groups"] for st in info["stages"]][:-1]
     more = hierarchical_schedule(info["order"], tiers, "allreduce", k + 1, waves=k + 1, ramped=True,
-                                 span_pieces=SPAN_PIECES[-1], lag=WAVE_LAG, split=True)
-    assert more.nops > MAX_WAVE_OPS or all(nbytes * (1 + up) // (p * sum(ramp(k + 1, up))) < WAVE_MIN_BYTES
-                                           for up in range(MAX_LIFT + 1))
+                                 span_pieces=SPAN_PIECES[-1], lag=WAVE_LAG, split=True, leaders=True)
+    assert k == WAVE_CAPS[-1] or more.nops > MAX_WAVE_OPS or all(
+        nbytes * (1 + up) // (leaders * sum(ramp(k + 1, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
+    # where leaders would load a link more, nothing is simulated: a share per rank, as many waves as allowed
+    simulated.clear()
+    monkeypatch.setattr(hier, "load_seconds", lambda topo, sched, nbytes: 2.0 if sched.info["leaders"] else 1.0)
+    plain = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    assert not simulated and not plain.info["leaders"] and "variants_tried" not in plain.info
+    k, lift = plain.info["chunks_per_target"], plain.info["lift"]
+    assert k > 1 and nbytes * (1 + lift) // (p * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
+    if racks == 3:   # the uplinks start after 0.63 ms instead of 1.4 and idle 0.5 ms at the end instead of 1
+        bound = lower_bound(topo, "allreduce", nbytes).seconds
+        assert simulate(topo, sched, nbytes).seconds < 1.02 * bound < 1.04 * bound < simulate(topo, plain, nbytes).seconds
+
+
+def test_hierarchical_leaders():
+    # 32 ranks in three tiers: the four GPUs of a host share its NIC. With leaders one GPU per host
+    # holds the host's targets: the others pass their partial sums along to it and it alone crosses
+    # the NIC, so a wave's parts cross it one after another at its full rate instead of four at a time
+    # at a quarter each (which matters on larger racks: see the test above). The same bytes on every
+    # NIC, a quarter of the messages.
+    topo = three_tier(gpus=4, hosts=4, racks=2)
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    info = sched.info
+    assert info["leaders"]
+    verify(sched)
+    tiers = [st["groups"] for st in info["stages"]][:-1]
+    order = info["order"]
+
+    per_rank = hierarchical_schedule(order, tiers, "allreduce", info["chunks_per_target"], waves=info["waves"],
+                                     ramped=True, lift=info["lift"], lag=WAVE_LAG, exchange=info["exchange_stages"],
+                                     split=True)
+    assert 4 * sched.nops == per_rank.nops
+    led, spread = simulate(topo, sched, nbytes), simulate(topo, per_rank, nbytes)
+    nics = [link for link in spread.link_bytes if "gpu" not in link[0] + link[1] and "/h" in link[0] + link[1]]
+    assert len(nics) == 16 and all(led.link_bytes[n] == pytest.approx(spread.link_bytes[n]) for n in nics)
+    assert load_seconds(topo, sched, nbytes) == pytest.approx(load_seconds(topo, per_rank, nbytes))
+    # only the first GPU of every host (in ring order) sends to another host
+    pos = {r: i for i, r in enumerate(order)}
+    host_of = {r: h for h, g in enumerate(stage_partitions(topo.nranks, tiers)[0]) for r in g}
+    heads = {min(g, key=pos.get) for g in stage_partitions(topo.nranks, tiers)[0]}
+    senders = {r for r, prog in enumerate(sched.programs) for op in prog
+               if op.kind == SEND and host_of[op.peer] != host_of[r]}
+    assert senders == heads
+    # where every GPU has a NIC of its own (the A100 pair), leaders would load one NIC with a box's
+    # traffic: they load it more, and are not tried
+    pair = Topology.load(ZOO / "dgx-a100-2x8.yaml")
+    twin = ALGORITHMS["hierarchical"](pair, "allreduce", nbytes=nbytes)
+    tiers = [st["groups"] for st in twin.info["stages"]][:-1]
+    led, spread = (hierarchical_schedule(twin.info["order"], tiers, "allreduce", leaders=lead) for lead in (1, 0))
+    assert load_seconds(pair, led, nbytes) > 4 * load_seconds(pair, spread, nbytes)
+    assert not any(t["leaders"] for t in twin.info["variants_tried"])
 
 
 def test_hierarchical_lag_lets_the_way_up_run_ahead():
@@ -535,16 +603,17 @@ def test_hierarchical_split_waves():
     # 32 ranks in three tiers at 256 MiB: the four GPUs of a host share its NIC, so a whole wave's
     # in-rack rings share it four ways and the rack uplinks wait for all of them. Split by the GPU's
     # place and by the diagonal across the racks, a wave goes in 8 parts, each through every stage
-    # before the next: the same messages, reordered, and the uplinks start sooner.
+    # before the next: the same messages, reordered, and the uplinks start sooner (with a share per
+    # rank; leaders, which may win here, have one place per host: 2 parts).
     topo = three_tier(gpus=4, hosts=4, racks=2)
     nbytes = 256 << 20
-    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
-    info = sched.info
-    assert info["wave_parts"] == 8
-    verify(sched)
+    info = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes).info
+    assert info["wave_parts"] == (2 if info["leaders"] else 8)
     tiers = [st["groups"] for st in info["stages"]][:-1]
-    whole = hierarchical_schedule(info["order"], tiers, "allreduce", info["chunks_per_target"], waves=info["waves"],
-                                  ramped=True, lift=info["lift"], lag=WAVE_LAG, split=False)
+    sched, whole = (hierarchical_schedule(info["order"], tiers, "allreduce", 8, waves=8, ramped=True, lag=WAVE_LAG,
+                                          split=split) for split in (True, False))
+    assert sched.info["wave_parts"] == 8
+    verify(sched)
     assert whole.info["wave_parts"] == 1 and whole.nops == sched.nops
     assert np.allclose(whole.bytes_sent(nbytes), sched.bytes_sent(nbytes))
     assert simulate(topo, sched, nbytes).seconds < (1 - MIN_VARIANT_GAIN) * simulate(topo, whole, nbytes).seconds
@@ -609,8 +678,8 @@ def test_hierarchical_equal_shares_for_unequal_racks():
 @settings(max_examples=60, deadline=None)
 @given(racks=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=2, max_size=3),
        k=st.integers(1, 3), lag=st.integers(0, 2), exchange=st.sampled_from([(), (1,), (2,)]),
-       split=st.booleans(), balanced=st.booleans())
-def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, split, balanced):
+       split=st.booleans(), balanced=st.booleans(), leaders=st.booleans())
+def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, split, balanced, leaders):
     # racks of hosts of ranks, all of any sizes: every option of the allreduce gives a correct schedule,
     # its chunks sized by the ramp and the targets' shares
     hosts, rack_groups, r = [], [], 0
@@ -621,16 +690,21 @@ def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, spl
             rack_groups[-1].extend(hosts[-1])
             r += size
     sched = hierarchical_schedule(list(range(r)), [hosts, rack_groups], "allreduce", k, waves=k, ramped=True, lag=lag,
-                                  exchange=exchange, split=split, balanced=balanced)
+                                  exchange=exchange, split=split, balanced=balanced, leaders=leaders)
     verify(sched)
     stages = stage_partitions(r, [hosts, rack_groups])
-    assert sched.info["wave_parts"] > 1 or not split or len(stages) < 3 or r < 2
     shares = share_weights(r, stages) if balanced else (1,) * r
+    if leaders:                             # the first rank of every host holds its host's shares
+        shares = leader_shares(shares, stages[0], {t: t for t in range(r)})
+        assert [t for t in range(r) if shares[t]] == [g[0] for g in stages[0]]
+        assert sum(shares) == (sum(share_weights(r, stages)) if balanced else r)
+    assert sched.info["wave_parts"] > 1 or not split or len(stages) < 3 or r < 2
     if len(stages) > 1:                     # with equal shares, every group below the top holds as much
         held = {sum(share_weights(r, stages)[t] for t in g) for g in stages[-2]}
         assert len(held) == 1
+    held = [w for w in shares if w]
     for j in range(k):                      # wave j: the ramp's weight times each target's share
-        assert sorted(sched.pattern[j * r:(j + 1) * r]) == sorted(ramp(k)[j] * w for w in shares)
+        assert sorted(sched.pattern[j * len(held):(j + 1) * len(held)]) == sorted(ramp(k)[j] * w for w in held)
 
 
 def test_hierarchical_unequal_groups():

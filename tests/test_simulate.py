@@ -2,6 +2,7 @@
 import heapq
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from ddl.errors import ScheduleError
 from ddl.schedule import Schedule, ScheduleBuilder
-from ddl.simulate import Outpaced, Simulation, max_min_rates, simulate
+from ddl.simulate import Outpaced, Simulation, load_seconds, max_min_rates, simulate
 from ddl.topology import Topology
 from ddl.verify import verify
 
@@ -277,6 +278,21 @@ def test_library_algorithms_on_star_match_closed_form(name):
     # bandwidth-dominated size: both algorithms send 2 (p-1)/p N through every rank's link
     bandwidth_term = 2 * (p - 1) / p * N / B
     assert bandwidth_term <= sim.seconds <= 1.01 * bandwidth_term + 4 * p * 2 * lat
+
+
+@pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
+@pytest.mark.parametrize("name", ["ring", "halving-doubling", "hierarchical"])
+def test_load_seconds_is_the_busiest_links_bytes_over_its_capacity(name):
+    # what a simulation finds every link carried, without simulating: a bound on the makespan
+    topo = Topology.load(Path(__file__).resolve().parent.parent / "topologies" / "leaf-spine-2rack.yaml")
+    N = 64e6
+    sched = ALGORITHMS[name](topo, "allreduce", nbytes=N)
+    sim = simulate(topo, sched, N)
+    busiest = max(b / topo.capacity(*link) for link, b in sim.link_bytes.items())
+    assert load_seconds(topo, sched, N) == pytest.approx(busiest, rel=1e-12)
+    assert busiest <= sim.seconds
+    assert load_seconds(topo, sched, 2 * N) == pytest.approx(2 * busiest, rel=1e-12)
+    assert load_seconds(star(4), Schedule("allreduce", 4, (1,), ((),) * 4), N) == 0.0
 
 
 def test_rank_one_and_empty_schedules_take_no_time():

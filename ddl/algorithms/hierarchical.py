@@ -82,6 +82,26 @@ stages nothing waits that way (on the DGX A100 clusters the parts were predicted
 nothing is split. The parts make the simulation slower (the 192-rank schedule's 5 s instead of
 2 s), since the rings no longer step together.
 
+Leaders. The parts of a wave that different GPUs of a host hold still cross the host's NIC at
+once: on the 192-rank cluster four GPUs' first parts went round each rack's hosts at a quarter of
+the NIC each, and the rack uplinks idled 1.4 ms at the start and 0.95 ms at the end of 59.7 ms. With
+*leaders* (``leaders=True``) only the first rank of each first-stage group (in ring order) holds
+targets, its group's shares summed (:func:`leader_shares`): the first stage's rings pass the others'
+partial sums along to it (a chain: each member sends the buffer once each way) and only leaders take
+part in the later stages. A host's parts then cross its NIC one after another at its full rate, with
+the same bytes on it, and a quarter of the targets make a quarter of the operations, so the budget
+and the floor (on a leader's four times larger chunks) allow more waves: 12 waves on the 192-rank
+cluster, its uplinks busy from 0.63 ms, 1.019 of the bound instead of 1.043 (exchanging to the
+leaders in the first stage; 1.020 by ring). Leaders are tried only where they load no link more than
+a share per rank does (:func:`ddl.simulate.load_seconds` of both, one chunk each): a DGX A100's
+GPUs have a NIC each, and leaders would send the box's traffic through one of them. Small schedules
+simulate them as variants; large ones (below) take them, with the most waves under the highest cap,
+by ring or exchanging, whichever simulates faster, except where the budget allows them one wave
+only: a wave of leaders goes in ``m`` parts where a share per rank goes in ``g m``, and at 1024
+ranks that one wave of 16 parts gave 1.060 of the bound against 1.036 for the 64 parts of a share
+per rank. On clusters built like the 192-rank one, a share per rank against leaders: 128 ranks
+1.057 and 1.024, 256 ranks 1.037 and 1.017, 512 ranks 1.068 and 1.019.
+
 Equal shares. An allreduce may cut its buffer among the targets in any proportion. With a share per
 rank, a group of the stage below the top (a rack) reduces its ranks' share of the buffer and ships
 the rest out: on racks of 16, 16 and 8 ranks the small rack sends 4/5 of the buffer through its
@@ -103,10 +123,11 @@ bound against 1.080. So where the schedules are small enough to simulate in a mo
 (``CHOOSE_VARIANTS_OPS``), the variants are built and simulated on the topology: every tier,
 then each tier left out in turn, with the most waves that fit under a cap of 8; then, on the
 stages kept, the most waves under caps of 12 and 16; then the fastest stage exchanging directly,
-where its groups have more than two ranks. Larger schedules take every tier, untried, with the most
-waves under the cap of 8 that the floor and the budget allow for those stages (the variants share
-one count, which fits the largest of them; at 256 ranks in three tiers that was two waves, 1.071 of
-the bound, where the stages kept allow three, 1.037). More waves are more messages, which the
+where its groups have more than two ranks; then leaders. Larger schedules take every tier: leaders
+where they apply (see Leaders), else, untried, with the most waves under the cap of 8 that the
+floor and the budget allow for those stages (the variants share one count, which fits the largest of
+them; at 256 ranks in three tiers that was two waves, 1.071 of the bound, where the stages kept
+allow three, 1.037). More waves are more messages, which the
 simulator charges nothing for unless the file gives a ``message_cost``: a variant with more
 operations replaces the one kept so far only where it is predicted 1% faster (see
 :mod:`ddl.algorithms.variants`); one with no more (fewer tiers, or the exchange: as many messages as
@@ -117,7 +138,7 @@ from itertools import combinations
 
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
-from ..simulate import simulate
+from ..simulate import load_seconds, simulate
 from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
 from .variants import CHOOSE_VARIANTS_OPS, replaces
@@ -186,7 +207,7 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
                           lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), split=False, balanced=False,
-                          **info):
+                          leaders=False, **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
@@ -207,15 +228,18 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     weights = ramp(k, lift) if ramped else (1,) * k
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
-        if split and len(stages) > 2:
-            parts = wave_parts(p, stages, holders, pos)
-        else:
-            parts = [_span_order(p, stages, holders, pos)]
-        slots = [t for part in parts for t in part]
         share = share_weights(p, stages) if balanced else (1,) * p
+        if leaders:
+            share = leader_shares(share, stages[0], pos)
+        chosen = [t for t in range(p) if share[t]]
+        if split and len(stages) > 2:
+            parts = wave_parts(p, stages, holders, pos, chosen)
+        else:
+            parts = [_span_order(p, stages, holders, pos, chosen)]
+        slots = [t for part in parts for t in part]
         b = ScheduleBuilder(collective, p, tuple(w * share[t] for w in weights for t in slots), algorithm=algorithm)
         slot = {t: i for i, t in enumerate(slots)}
-        targets = {t: [j * p + slot[t] for j in range(k)] for t in range(p)}
+        targets = {t: [j * len(slots) + slot[t] for j in range(k)] for t in slots}
     elif collective == "broadcast":
         b = ScheduleBuilder(collective, p, weights, root=root, algorithm=algorithm)
         targets = {root: list(range(k))}
@@ -252,6 +276,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
                    span_pieces=spans, lag=lag, exchange_stages=list(exchange), wave_parts=len(wave) // waves,
                    balanced=bool(balanced and collective == "allreduce"),
+                   leaders=bool(leaders and collective == "allreduce"),
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -327,7 +352,7 @@ def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
             ring_op(b, list(members), [blocks.get(r, []) for r in members])
 
 
-def wave_parts(p, stages, holders, pos):
+def wave_parts(p, stages, holders, pos, chosen=None):
     """The parts an allreduce's waves are split into (see Split waves), in the order they are listed:
     targets whose first-stage holder has the same place in its group (the same GPU of every host) and,
     among them, the same *diagonal* of the stage below the top: ``(i + j) mod m`` for the ``j``-th
@@ -335,10 +360,11 @@ def wave_parts(p, stages, holders, pos):
     that stage then holds one target of each diagonal (one per rack), so a part's rings there carry one
     chunk per member, and each part's top-stage rings start from every rack alike. Each part is in span
     order."""
-    spanned = _span_order(p, stages, holders, pos)
+    spanned = _span_order(p, stages, holders, pos, chosen)
     index = {t: i for i, t in enumerate(spanned)}
     subs = stages[-2]
-    diagonal = {t: (i + j) % len(subs) for i, g in enumerate(subs) for j, t in enumerate(sorted(g, key=index.get))}
+    diagonal = {t: (i + j) % len(subs) for i, g in enumerate(subs)
+                for j, t in enumerate(sorted((t for t in g if t in index), key=index.get))}
     first = holders[1][0]
     parts = {}
     for t in spanned:
@@ -360,7 +386,17 @@ def share_weights(p, stages):
     return tuple(weight)
 
 
-def _span_order(p, stages, holders, pos):
+def leader_shares(share, groups, pos):
+    """``share`` (a weight per rank) moved onto the *leader* of every group of ``groups`` (its first
+    rank in ring order, by ``pos``): the leader holds the sum of its group's weights, the others none
+    (see Leaders)."""
+    moved = [0] * len(share)
+    for g in groups:
+        moved[min(g, key=pos.get)] = sum(share[r] for r in g)
+    return tuple(moved)
+
+
+def _span_order(p, stages, holders, pos, chosen=None):
     """Targets ordered so that the targets a stage's ring member holds are consecutive, at every stage:
     by the position of their holder in one group of every stage, lowest stage first (on a uniform
     cluster: by rank within the host, then host within the rack, then rack). The allreduce numbers
@@ -368,7 +404,7 @@ def _span_order(p, stages, holders, pos):
     (:meth:`ScheduleBuilder.runs`) rather than a chunk per target; on uneven groups, where no order
     serves every group, as a few more."""
     reference = [holders[s][0] for s in range(1, len(stages) + 1)]
-    return sorted(range(p), key=lambda t: tuple(pos[row[t]] for row in reference) + (pos[t],))
+    return sorted(range(p) if chosen is None else chosen, key=lambda t: tuple(pos[row[t]] for row in reference) + (pos[t],))
 
 
 def hierarchical(topo, collective, *, root=0, nbytes=None):
@@ -383,14 +419,16 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     tier_bw = {tuple(tuple(g) for g in stage_partitions(p, [t.groups])[0]): t.bandwidth
                for t in topo.tiers if len(t.groups) < p}
 
-    def build(tiers, k, lift=0, exchange=(), balanced=False):
+    pos = {r: i for i, r in enumerate(order)}
+
+    def build(tiers, k, lift=0, exchange=(), balanced=False, leaders=False):
         staged = stage_partitions(p, tiers)
         bws = [tier_bw.get(groups) for groups in staged]
-        spans = next((q for q in SPAN_PIECES if k * _ops_per_wave(p, staged, collective, q) <= MAX_WAVE_OPS),
-                     SPAN_PIECES[-1])
+        spans = next((q for q in SPAN_PIECES
+                      if k * _ops_per_wave(p, staged, collective, q, leaders) <= MAX_WAVE_OPS), SPAN_PIECES[-1])
         return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
                                      lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0, exchange=exchange,
-                                     split=True, balanced=balanced,
+                                     split=True, balanced=balanced, leaders=leaders,
                                      stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
 
     if not waved:
@@ -398,58 +436,91 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
 
     def uneven(tiers):
         """Whether ``tiers``' groups below the top are of unequal sizes (an allreduce's equal shares
-        then differ from one per rank), and the pieces of a buffer its smallest share is."""
-        share = share_weights(p, stage_partitions(p, tiers))
-        return collective == "allreduce" and len(set(share)) > 1, -(-sum(share) // min(share))
+        then differ from one per rank)."""
+        return collective == "allreduce" and len(set(share_weights(p, stage_partitions(p, tiers)))) > 1
+
+    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE):
+        """:func:`wave_depth` for ``tiers``' stages: its smallest chunk is the smallest target's share."""
+        staged = stage_partitions(p, tiers)
+        share = share_weights(p, staged) if balanced else (1,) * p
+        if leaders:
+            share = leader_shares(share, staged[0], pos)
+        held = [w for w in share if w]
+        chunks = pieces if collective != "allreduce" else -(-sum(held) // min(held))
+        return wave_depth(nbytes, chunks, _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most)
+
+    def funnels(tiers, balanced, exchange=()):
+        """Whether leaders (see Leaders) load no link of ``topo`` more than a share per rank does, on
+        ``tiers``' stages: one-chunk schedules compared link by link (the bytes on a link do not depend
+        on the waves or the spans)."""
+        staged = stage_partitions(p, tiers)
+        if collective != "allreduce" or max(len(g) for g in staged[0]) < 2:
+            return False
+        regular, leaders = (load_seconds(topo, hierarchical_schedule(
+            order, tiers, collective, span_pieces=1, exchange=ex, balanced=balanced, leaders=lead), 1 << 20)
+            for lead, ex in ((False, ()), (True, exchange)))
+        return leaders <= regular * (1 + 1e-9)
 
     tier_sets = _tier_sets(p, parts)
-
-    def wave_ops(tiers):
-        """Operations per wave on ``tiers``' stages, with the fewest spans."""
-        return _ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
-
-    most_ops = max(wave_ops(tiers) for tiers in tier_sets or [parts])
+    most_ops = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
+                   for tiers in tier_sets or [parts])
     depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
-    if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
-            or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
-        balanced, shares = uneven(parts)
-        return build(parts, *wave_depth(nbytes, shares if balanced else pieces, wave_ops(parts)),
-                     balanced=balanced)
     tried, kept = [], None
 
-    def consider(tiers, k, lift, exchange=(), balanced=False):
+    def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False):
         nonlocal kept
-        sched = build(tiers, k, lift, exchange, balanced)
+        sched = build(tiers, k, lift, exchange, balanced, leaders)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
-                      "operations": sched.nops, "seconds": seconds})
+                      "leaders": leaders, "operations": sched.nops, "seconds": seconds})
         if kept is None or replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost):
             kept = (seconds, tiers, sched)
+        return seconds
 
-    for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
-        consider(tiers, *depths[0])
-    for k, lift in depths[1:]:         # then more waves on the stages kept
-        consider(kept[1], k, lift)
-    info = kept[2].info
-    if max(info["stages"][0]["group_sizes"]) > 2:   # then the fastest stage exchanging directly
-        consider(kept[1], info["chunks_per_target"], info["lift"], (1,))
-    balanced, shares = uneven(kept[1])
-    if balanced:                       # then equal shares for unequal groups, as many waves as they allow
+    def consider_leaders(tiers, balanced, caps):
+        """Leaders on ``tiers``' stages, where they load no link more (see Leaders): with the most waves
+        under each of ``caps``, then exchanging to the leaders with the fastest of those."""
+        if not funnels(tiers, balanced):
+            return
+        fastest = min((consider(tiers, *kl, (), balanced, True), kl)
+                      for kl in sorted({depth(tiers, balanced, True, most) for most in caps}))
+        if max(len(g) for g in stage_partitions(p, tiers)[0]) > 2 and funnels(tiers, balanced, (1,)):
+            consider(tiers, *fastest[1], (1,), balanced, True)
+
+    if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
+            or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
+        balanced = uneven(parts)
+        if nbytes and depth(parts, balanced, True, WAVE_CAPS[-1])[0] > 1:   # leaders where they get waves
+            consider_leaders(parts, balanced, WAVE_CAPS[-1:])
+        if kept is None:
+            return build(parts, *depth(parts, balanced), balanced=balanced)
+    else:
+        for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
+            consider(tiers, *depths[0])
+        for k, lift in depths[1:]:         # then more waves on the stages kept
+            consider(kept[1], k, lift)
         info = kept[2].info
-        consider(kept[1], *wave_depth(nbytes, shares, wave_ops(kept[1]), info["chunks_per_target"]),
-                 tuple(info["exchange_stages"]), True)
+        if max(info["stages"][0]["group_sizes"]) > 2:   # then the fastest stage exchanging directly
+            consider(kept[1], info["chunks_per_target"], info["lift"], (1,))
+        if uneven(kept[1]):                # then equal shares for unequal groups, as many waves as they allow
+            info = kept[2].info
+            consider(kept[1], *depth(kept[1], True, most=info["chunks_per_target"]),
+                     tuple(info["exchange_stages"]), True)
+        consider_leaders(kept[1], kept[2].info["balanced"], WAVE_CAPS)   # then leaders
     kept[2].info["variants_tried"] = tried
     return kept[2]
 
 
-def _ops_per_wave(p, stages, collective, span_pieces):
+def _ops_per_wave(p, stages, collective, span_pieces, leaders=False):
     """Operations one wave adds to the schedule: a send and a receive per message. An allreduce ring
     member sends its share in up to ``span_pieces`` spans per step (:func:`_span_order`), to each of
     the other members of its ring, up and back down; other collectives send a chunk per target. With
     three stages or more the waves go in parts (:func:`wave_parts`): a first-stage member then sends
     each of its ``m`` diagonals (``m`` groups below the top) in ``1/m`` of the spans, a member of a
-    later stage a message per target it holds (a part has one of them)."""
+    later stage a message per target it holds (a part has one of them). With ``leaders`` only the
+    leader of each first-stage group holds targets (all of them in the first stage's rings), and only
+    the leaders take part in the later stages."""
     if collective != "allreduce":
         return 2 * (p - 1) * (1 if collective == "broadcast" else p)
     m = len(stages[-2]) if len(stages) > 2 else 0
@@ -458,13 +529,16 @@ def _ops_per_wave(p, stages, collective, span_pieces):
         for group in groups:
             kids = sum(1 for g in below if g[0] in group)
             held = -(-p // len(group))
+            members = len(group)
+            if leaders:         # one member of a first-stage ring holds every target; later rings join leaders
+                held, members = (len(stages[0]), 1) if s == 0 else (held, sum(g[0] in group for g in stages[0]))
             if not m:          # one part per wave: the member's run in up to span_pieces spans
                 messages = min(span_pieces, held)
             elif s:            # a later stage of a part: a message per target held
                 messages = held
             else:              # the first stage: each of the m diagonals in 1/m of the spans
                 messages = min(m * -(-span_pieces // m), held)
-            total += len(group) * (kids - 1) * messages
+            total += members * (kids - 1) * messages
         below = groups
     return 4 * total
 
