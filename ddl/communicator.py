@@ -444,19 +444,25 @@ class Communicator:
         explain = getattr(planner, "explain", planner.plan)      # (a foreign planner may have plan() only)
         return explain(collective, _nbytes(nbytes), self._algorithm_of(collective), root)
 
+    def _pinned(self, collective, root):
+        """The schedule pinned on the planner for this call, or None (a foreign planner may not pin)."""
+        pinned = getattr(self.planner, "pinned", None)
+        return pinned(collective, root) if pinned is not None else None
+
     def _compiled(self, layout, count, dtype, op, root, sig_count):
         key = (layout, count, dtype, op, root)
-        entry = self._plans.get(key)
-        if entry is not None:
-            return entry
         collective = _LAYOUT_COLLECTIVE[layout]
+        pinned = self._pinned(collective, root)
+        entry = self._plans.get(key)
+        if entry is not None and (pinned is None or entry[0].schedule is pinned):
+            return entry                         # (a schedule pinned since this was compiled replaces it)
         if op is not None:
             check_op_dtype(op, dtype)
         elif dtype.hasobject:
             raise Error("buffers of Python objects cannot be communicated; use a numeric dtype")
         sched = self._schedule(collective, count * dtype.itemsize, root)
         inline = self._inline[collective]      # (non-zero only with ddl's own planner)
-        if inline and self.planner.pinned(collective, root) is not None:
+        if pinned is not None:
             inline = 0                           # a pinned schedule runs at every size, the smallest too
         plan = CompiledPlan(sched, self.rank, count, dtype, layout, ufunc=op.ufunc if op is not None else None)
         sig = Signature(collective, sig_count, dtype, op, root, self._check_schedule(sched, collective, root), self._topology_digest,

@@ -336,6 +336,17 @@ chk.ok(solo.explain(1024).nbytes == 1024, "explain on a one-rank communicator")
 expect(ddl.PlanError, lambda: solo.planner.pin(saved), f"the schedule is for {p} ranks",
        label="pinning another rank count's schedule on one rank")
 solo.Free()
+late = ddl.Communicator(WORLD, stall_timeout=60)   # pinned after a call of that size: the pin runs from then on
+v = np.full(1 << 15, r + 1.0)
+late.Allreduce(ddl.IN_PLACE, v)
+before = next(entry[0].schedule for entry in late._plans.values())
+late.planner.pin(saved)
+late.Allreduce(ddl.IN_PLACE, v)
+ran = [entry[0].schedule for entry in late._plans.values()]
+chk.ok(len(ran) == 1 and ran[0] is late.planner.pinned("allreduce") and ran[0] is not before
+       and np.all(v == p * p * (p + 1) / 2),
+       "a schedule pinned after the first call of a size runs from the next call on")
+late.Free()
 odd = ddl.Communicator(WORLD, stall_timeout=60)    # ranks that pin different schedules: caught, not run
 odd.planner.pin(saved if r == 0 else Planner(flat_topology(p), use_disk_cache=False).schedule(
     "allreduce", 1 << 20, "recursive-doubling"))
