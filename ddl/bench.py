@@ -68,7 +68,7 @@ class Options:
     device: str = "cpu"              # where the buffers live: cpu (numpy) or gpu (CuPy)
 
 
-# ---- argument parsing (pure, deterministic: every rank raises the same Error) --------------------------
+# ---- argument parsing: pure, so every rank raises the same Error (but for the files options() checks) ---
 def parse_sizes(spec, max_bytes=None, factor=None):
     """Sizes in bytes from ``--bytes`` / ``--max-bytes`` / ``--factor``.
 
@@ -85,7 +85,13 @@ def parse_sizes(spec, max_bytes=None, factor=None):
     if max_bytes is not None:
         if len(items) != 1 or ":" in items[0]:
             raise Error("--max-bytes needs a single starting size in --bytes (e.g. --bytes 8 --max-bytes 64MiB)")
+        if ":" in str(max_bytes):
+            raise Error(f"--max-bytes {max_bytes!r}: one size, the end of the range; give the step with "
+                        f"--factor (e.g. --bytes 8 --max-bytes 64MiB --factor 4)")
         items = [f"{items[0]}:{max_bytes}"]
+    if factor is not None and not any(item.count(":") == 1 for item in items):
+        raise Error(f"--factor {factor} is the step of a range MIN:MAX, and --bytes {spec!r} has no such "
+                    f"range: write one (e.g. --bytes 8:64MiB --factor {factor}), or leave --factor out")
     sizes = []
     for item in items:
         parts = item.split(":")
@@ -126,6 +132,29 @@ def element_counts(sizes, itemsize):
     return out
 
 
+def check_sizes(sizes, dtype, device="cpu", ranks_here=1):
+    """Refuse sizes that cannot run, before anything is printed: every size below one element of
+    ``dtype``, or, for host buffers, a largest size whose three buffers per rank (send, receive,
+    expected) would not fit in this machine's memory with ``ranks_here`` ranks on it (option checking
+    knows of one; :func:`measure` checks again with the ranks that share the machine)."""
+    itemsize = np.dtype(dtype).itemsize
+    counts = element_counts(sizes, itemsize)
+    if not counts:
+        raise Error(f"--bytes: every size is below one {dtype} element ({itemsize} B)")
+    if device != "cpu":
+        return
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    nbytes = max(counts) * itemsize
+    need = 3 * nbytes * ranks_here
+    if need > have:
+        raise Error(f"{format_size(nbytes)} per buffer needs about {format_size(need)} of memory on one machine "
+                    f"(3 buffers per rank{f', {ranks_here} ranks' if ranks_here > 1 else ''}), more than "
+                    f"its {format_size(have)}: give a smaller --bytes")
+
+
 def _size(text, what):
     try:
         n = parse_size(text.strip())
@@ -160,8 +189,13 @@ def parse_names(text, choices, what):
 
 def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5", warmup="1",
             dtype="float32", op="sum", algorithms="auto", peers="mpi", json=False, plot=None,
-            progress=None, scale=None, device="cpu"):
-    """Validated :class:`Options` from command-line strings; raises :class:`ddl.Error`."""
+            progress=None, scale=None, device="cpu", writes_plot=True):
+    """Validated :class:`Options` from command-line strings; raises :class:`ddl.Error`.
+
+    The topology file is checked here, on every rank (every rank loads it); the plot path only where
+    ``writes_plot`` (rank 0 of a job: the only rank that writes it, in its own working folder). Under
+    MPI those checks can differ between ranks, so a job's ranks :func:`agree` on the outcome.
+    """
     from .planner import algorithm_names
 
     if dtype not in DTYPES:
@@ -177,6 +211,8 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
         raise Error("--peers gloo runs on host buffers: with --device gpu compare with mpi,nccl")
     algos = ["auto"] + [a for a in parse_names(algorithms, ("auto", *algorithm_names()), "--algorithms")
                         if a != "auto"]
+    sizes = parse_sizes(bytes, max_bytes, factor)
+    check_sizes(sizes, dtype, device)
     if topology is not None:
         topology = os.path.abspath(topology)
         if os.path.isdir(topology):
@@ -184,9 +220,9 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
         if not os.path.isfile(topology):
             raise Error(f"{topology}: no such topology file")
     if plot is not None:
+        if writes_plot:
+            check_plot_path(plot)       # as given: os.path.abspath('') would be the current folder
         plot = os.path.abspath(plot)
-        check_plot_path(plot)
-    sizes = parse_sizes(bytes, max_bytes, factor)
     if scale is not None:
         try:
             scale = float(scale)
@@ -229,6 +265,37 @@ def check_plot_path(path):
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in ("png", "pdf", "svg", "jpg", "jpeg"):
         raise Error(f"--plot {path}: write a .png, .pdf, .svg or .jpg file")
+
+
+# ---- errors a job's ranks agree on ---------------------------------------------------------------------
+class JobError(Error):
+    """An error every rank of the job knows of (see :func:`agree`), so that none waits for the others.
+
+    ``speaks`` is True on one rank only, the first that met it: that rank says it, the others exit
+    with the same status and say nothing, so the job prints it once.
+    """
+
+    def __init__(self, message, speaks):
+        super().__init__(message)
+        self.speaks = speaks
+
+
+def agree(world, check):
+    """``check()`` on every rank of ``world``, then one allgather, so that an :class:`Error` that only
+    some ranks meet (a file one host lacks, a working folder that differs) stops every rank alike.
+
+    Returns what ``check`` returned when no rank raised; else raises :class:`JobError` on every rank,
+    with the message of the first rank that raised. ``check`` must not communicate unless it raises
+    on every rank alike: a rank that raised early would not be there to answer.
+    """
+    try:
+        value, problem = check(), None
+    except Error as exc:
+        value, problem = None, str(exc)
+    for rank, message in enumerate(world.allgather(problem)):
+        if message is not None:
+            raise JobError(message, speaks=rank == world.rank)
+    return value
 
 
 # ---- buffers and the expected result -------------------------------------------------------------------
@@ -551,7 +618,7 @@ def run(opts, world=None, out=None, err=None):
                 failure = str(exc)
     status, failure = world.bcast((status, failure), root=0)
     if failure:
-        raise Error(failure)  # on every rank, so that none waits for the others
+        raise JobError(failure, speaks=world.rank == 0)  # on every rank, so that none waits for the others
     return status
 
 
@@ -563,19 +630,15 @@ def measure(opts, world=None, out=None, err=None, memory=None):
     """
     from mpi4py import MPI
 
-    from .topology import Topology
-
     world = world or MPI.COMM_WORLD
     rank, nranks = world.rank, world.size
     out = out or sys.stdout
     err = err or sys.stderr
-    topo = Topology.load(opts.topology) if opts.topology else None
-    if topo is not None and opts.scale:
-        topo = scaled_topology(topo, opts.scale)
-    if topo is not None and topo.nranks != nranks:
-        raise Error(f"topology {topo.name!r} ({opts.topology}) has {topo.nranks} ranks but this MPI job has "
-                    f"{nranks}: run `mpiexec -n {topo.nranks} ddl bench ...`, or `ddl bench FILE` alone "
-                    f"and it launches mpiexec itself")
+    topo = agree(world, lambda: _load_topology(opts, nranks))
+    ranks_here = _ranks_on_this_machine(world)
+    dtype = np.dtype(opts.dtype)
+    counts = element_counts(opts.sizes, dtype.itemsize)
+    agree(world, lambda: check_sizes(opts.sizes, opts.dtype, opts.device, ranks_here))
     if topo is None and nranks > 1:
         from .planner import flat_topology
         model = flat_topology(nranks)
@@ -589,8 +652,8 @@ def measure(opts, world=None, out=None, err=None, memory=None):
         if lead:
             print(f"ddl bench: {text}", file=err, flush=True)
 
-    memory = memory or make_memory(opts.device, world)
-    impls = [DdlImpl(world, topo, a, memory) for a in opts.algorithms]
+    memory = memory or agree(world, lambda: make_memory(opts.device, world))
+    impls = agree(world, lambda: [DdlImpl(world, topo, a, memory) for a in opts.algorithms])
     for peer in opts.peers:
         if peer == "mpi":
             impls.append(MpiImpl(world, memory))
@@ -607,13 +670,9 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                 continue
             impls.append(GlooImpl(world))
 
-    dtype = np.dtype(opts.dtype)
-    counts = element_counts(opts.sizes, dtype.itemsize)
     if len(counts) < len(opts.sizes):
         note(f"sizes are whole {dtype.name} elements ({dtype.itemsize} B): {len(opts.sizes) - len(counts)} of "
              f"the sizes asked for rounded down onto another or to nothing")
-    if not counts:
-        raise Error(f"--bytes: every size is below one {dtype.name} element ({dtype.itemsize} B)")
     header = _header(opts, topo, model, nranks, impls, memory)
     widths = widths_for([impl.name for impl in impls])
     if lead and not opts.json:
@@ -623,8 +682,6 @@ def measure(opts, world=None, out=None, err=None, memory=None):
             print(f"# {text}", file=out)
         print(_table_header(widths), file=out, flush=True)
 
-    if memory.name == "cpu":
-        _check_memory(world, max(counts) * dtype.itemsize)
     total = sum(c * dtype.itemsize for c in counts) * len(impls) * (opts.iters + opts.warmup)
     progress = Progress(total, opts.progress) if lead else None
     rows = []
@@ -680,23 +737,31 @@ def measure(opts, world=None, out=None, err=None, memory=None):
     return rows, notes, header
 
 
-def _check_memory(world, nbytes):
-    """Each rank holds three buffers of the largest size (send, receive, expected): refuse sizes that
-    cannot fit in this machine's memory, on every rank alike."""
+def _load_topology(opts, nranks):
+    """This rank's topology of ``opts`` (None without a file), scaled, for a job of ``nranks`` ranks.
+    Each rank reads the file on its own host, so the ranks :func:`agree` on the outcome."""
+    from .topology import Topology
+
+    if not opts.topology:
+        return None
+    topo = Topology.load(opts.topology)
+    if opts.scale:
+        topo = scaled_topology(topo, opts.scale)
+    if topo.nranks != nranks:
+        raise Error(f"topology {topo.name!r} ({opts.topology}) has {topo.nranks} ranks but this MPI job has "
+                    f"{nranks}: run `mpiexec -n {topo.nranks} ddl bench ...`, or `ddl bench FILE` alone "
+                    f"and it launches mpiexec itself")
+    return topo
+
+
+def _ranks_on_this_machine(world):
+    """How many ranks of ``world`` share this rank's machine (and its memory)."""
     from mpi4py import MPI
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        need = 3 * nbytes * local.size
+        return local.size
     finally:
         local.Free()
-    try:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        have = None
-    short = world.allreduce(need if have is not None and need > have else 0, op=MPI.MAX)
-    if short:
-        raise Error(f"{format_size(nbytes)} per buffer needs about {format_size(short)} of memory on one "
-                    f"machine (3 buffers per rank), more than it has: give a smaller --bytes")
 
 
 def _timed(impl, world, send, recv, op, memory):

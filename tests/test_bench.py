@@ -320,3 +320,188 @@ def test_every_algorithm_name_fits_its_column():
         line = format_row(row, widths)
         assert len(line) == len(header), (name, line, header)
         assert line.index(name) + len(name) < header.index("predicted"), (name, line)
+
+
+# ---- a job's ranks end together --------------------------------------------------------------------------
+def _descendants(pid):
+    """Every process below ``pid`` (Linux /proc): MPI launchers start the ranks in sessions of their
+    own, so a hung job's process group would not take them with it."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_job(proc):
+    """SIGKILL mpiexec and every process it started (so that a hung test leaves none spinning)."""
+    import signal
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def job(cmd, env, timeout=45, cwd=ROOT):
+    """Run an MPI job; one still running after ``timeout`` s has hung: it is killed, the test fails."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_job(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"the job hung (killed after {timeout} s): {' '.join(cmd)}\n{out[-2000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+_IN_MY_FOLDER = """import os, sys
+from ddl.cli import launcher_rank, main
+rank = launcher_rank()
+os.chdir(f"r{rank}")          # each rank in a folder of its own, as on hosts that differ
+status = main(["bench", *sys.argv[1:]])
+open("status", "w").write(str(status))
+sys.exit(status)
+"""
+
+
+def bench_in_rank_folders(tmp_path, env, args, files):
+    """``ddl bench ARGS`` on 2 ranks, rank r working in ``tmp_path/r<r>`` where ``files`` (path: text,
+    or None for a folder) are made; returns the run and each rank's exit status (None: it never said)."""
+    for path, text in files.items():
+        target = tmp_path / path
+        if text is None:
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    for r in (0, 1):
+        (tmp_path / f"r{r}").mkdir(exist_ok=True)
+    script = tmp_path / "in_my_folder.py"
+    script.write_text(_IN_MY_FOLDER)
+    e = dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    p = job([MPIEXEC, "-n", "2", sys.executable, str(script), *args], e, cwd=tmp_path)
+    statuses = []
+    for r in (0, 1):
+        status = tmp_path / f"r{r}" / "status"
+        statuses.append(int(status.read_text()) if status.exists() else None)
+    return p, statuses
+
+
+@needs_mpi
+@pytest.mark.parametrize("files, args, says", [
+    ({"r1/sub": None}, ["--plot", "sub/x.png"], "--plot sub/x.png: folder"),                # rank 0 lacks it
+    ({"r0/t.yaml": TWO_RANKS}, ["t.yaml"], "t.yaml: no such topology file"),               # rank 1 lacks it
+    ({"r0/t.yaml": TWO_RANKS, "r1/t.yaml": "ranks: [\n"}, ["t.yaml"], "t.yaml"),           # rank 1 cannot load it
+], ids=["plot-folder-on-rank-1-only", "topology-on-rank-0-only", "topology-broken-on-rank-1"])
+def test_an_error_on_one_rank_ends_every_rank_said_once(tmp_path, env, files, args, says):
+    p, statuses = bench_in_rank_folders(tmp_path, env, ["--bytes", "64", "--iters", "1", *args], files)
+    assert p.returncode == 2 and statuses == [2, 2], (statuses, p.stdout, p.stderr)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddl: error:") and says in lines[0], p.stderr
+    assert p.stdout == "", p.stdout
+
+
+@needs_mpi
+def test_only_rank_0_checks_the_plot_folder(tmp_path, env):
+    """Rank 0 alone writes the plot, in its own working folder: another rank's folders do not matter."""
+    p, statuses = bench_in_rank_folders(tmp_path, env, ["--bytes", "64", "--iters", "1", "--plot", "sub/x.png"],
+                                        {"r0/sub": None})
+    assert p.returncode == 0 and statuses == [0, 0], (statuses, p.stdout, p.stderr)
+    assert (tmp_path / "r0" / "sub" / "x.png").stat().st_size > 1000
+
+
+def _wait_for_output(stream, marker, seconds):
+    """Read ``stream`` (a pipe) until ``marker`` has come (True) or ``seconds`` have passed (False)."""
+    import select
+    import time
+    deadline, seen = time.monotonic() + seconds, b""
+    while marker not in seen and time.monotonic() < deadline:
+        if select.select([stream], [], [], max(deadline - time.monotonic(), 0))[0]:
+            chunk = os.read(stream.fileno(), 1 << 16)
+            if not chunk:
+                break
+            seen += chunk
+    return marker in seen
+
+
+@needs_mpi
+def test_sigint_to_mpiexec_ends_the_whole_job_at_once(env):
+    """``kill -INT`` of mpiexec (a job script's way to stop a job): mpiexec passes SIGINT on to the
+    ranks; the rank that notices first must end the job, not leave the others waiting for it in a
+    collective. The ranks sit in different places each time, so a few rounds."""
+    import signal
+    import time
+    peers = "mpi,gloo" if not torch_problem_here() else "mpi"
+    for _round in range(4):
+        proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "ddl", "bench", "--bytes", "4MiB",
+                                 "--iters", "20000", "--peers", peers, "--no-progress"],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert _wait_for_output(proc.stdout, b"(elements)", 60), "the table never started"
+            time.sleep(1)                                    # into the timed iterations
+            proc.send_signal(signal.SIGINT)
+            status = proc.wait(timeout=10)
+        except (subprocess.TimeoutExpired, AssertionError) as exc:
+            _kill_job(proc)
+            pytest.fail(f"{exc or 'the job did not end within 10 s of SIGINT'}: {proc.stderr.read()[-2000:]!r}")
+        err = proc.stderr.read().decode()
+        proc.stdout.close()
+        proc.stderr.close()
+        assert status == 130 and "ddl: interrupted" in err, (status, err)
+
+
+def torch_problem_here():
+    from ddl.bench import torch_problem
+    return torch_problem()
+
+
+# ---- usage errors are one line, before anything else -------------------------------------------------
+@needs_mpi
+@pytest.mark.parametrize("args, says", [
+    (["--bytes", "1"], "ddl: error: --bytes: every size is below one float32 element (4 B)"),
+    (["--bytes", "MEMORY"], "of memory on one machine"),
+    (["--plot", ""], "ddl: error: --plot needs a file name"),
+    (["-b", "1", "-e", "1:2"], "--max-bytes '1:2': one size"),
+    (["--bytes", "8,16", "-f", "4"], "--factor 4 is the step of a range MIN:MAX"),
+])
+def test_usage_errors_under_mpiexec_are_one_line_and_nothing_else(env, args, says):
+    if "MEMORY" in args:       # three buffers of the machine's whole memory cannot fit
+        args = [str(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4 * 4 + 4) if a == "MEMORY" else a
+                for a in args]
+    p = job([MPIEXEC, "-n", "2", sys.executable, "-m", "ddl", "bench", "--iters", "1", *args], env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout == "" and p.stderr.count("\n") == 1 and says in p.stderr, (p.stdout, p.stderr)
+
+
+def test_size_options_that_would_be_ignored_are_refused():
+    with pytest.raises(Error, match=r"--max-bytes '64:4': one size.*--factor"):
+        parse_sizes("8", "64:4")
+    with pytest.raises(Error, match=r"--factor 4 is the step of a range MIN:MAX.*--bytes 8:64MiB --factor 4"):
+        parse_sizes("8,16", None, "4")
+    with pytest.raises(Error, match="--factor 2 is the step"):
+        parse_sizes("8:64:4", None, "2")               # the range has its own step
+    assert parse_sizes("8:64,1KiB", None, "4") == [8, 32, 1024]
+
+
+def test_memory_is_checked_for_the_ranks_that_share_a_machine(monkeypatch):
+    from ddl.bench import check_sizes
+    pages = {"SC_PHYS_PAGES": 1000, "SC_PAGE_SIZE": 1 << 20}          # 1000 MiB
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    check_sizes([200 << 20], "float32", "cpu", ranks_here=1)
+    with pytest.raises(Error, match=r"200 MiB per buffer needs about 1.17.? GiB .*2 ranks"):
+        check_sizes([200 << 20], "float32", "cpu", ranks_here=2)
+    check_sizes([200 << 20], "float32", "gpu", ranks_here=2)        # device buffers: not host memory
+    with pytest.raises(Error, match="below one float64 element"):
+        check_sizes([1, 7], "float64")

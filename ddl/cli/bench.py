@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 from ..errors import Error
-from . import launcher_rank
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -85,25 +84,56 @@ def under_mpi():
 
 
 def cmd_bench(args):
-    """``ddl bench``; a mistake in the options is said once per job, by rank 0: every rank reads the
-    same arguments, so every rank finds it."""
+    """``ddl bench``: under mpiexec, this rank's part of the job (:func:`_in_job`); otherwise check the
+    options and launch the ranks (or, for a single rank, run here)."""
+    if under_mpi():
+        return _in_job(args)
+    opts, file = _options(args)
+    if args.emulate:
+        return _relaunch_emulated(opts, args.no_rate_check, args.mtu)
+    n = _ranks_to_launch(args, file)
+    if n > 1:
+        return _relaunch_mpiexec(opts, n)
+    from .. import bench
+    return bench.run(opts)
+
+
+def _in_job(args):
+    """One rank of an MPI job; every rank exits with the same status, and no rank is left waiting.
+
+    Each rank checks the options on its own host, in its own working folder, so the ranks can disagree
+    (a topology file one host lacks): they agree on the outcome first. An error the ranks agreed on
+    (:class:`ddl.bench.JobError`) is said once, by the first rank that met it, and every rank exits
+    with status 2. Anything else met here (an interrupt, an error of this rank alone, a bug) may
+    leave the others waiting for this rank inside an MPI call, where no Python exception reaches
+    them: :func:`_abort` ends the whole job.
+    """
+    from mpi4py import MPI
+
+    from .. import bench
+    world = MPI.COMM_WORLD
     try:
-        opts, file = _options(args)
-    except Error:
-        if launcher_rank() > 0:
-            return 2
-        raise
-    return _bench(args, opts, file)
+        opts, _file = bench.agree(world, lambda: _options(args, writes_plot=world.rank == 0))
+        return bench.run(opts, world)
+    except bench.JobError as exc:
+        if exc.speaks:
+            raise
+        return 2
+    except BaseException as exc:
+        if world.size == 1:
+            raise
+        _abort(world, exc)
 
 
-def _options(args):
+def _options(args, writes_plot=True):
     from .. import bench
 
     file = args.file or os.environ.get("DDL_TOPOLOGY") or None
     opts = bench.options(topology=file, bytes=args.bytes, max_bytes=args.max_bytes, factor=args.factor,
                          iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op,
                          algorithms=args.algorithms, peers=args.peers, json=args.json, plot=args.plot,
-                         progress=args.progress, scale=args.scale, device=args.device)
+                         progress=args.progress, scale=args.scale, device=args.device,
+                         writes_plot=writes_plot)
     if args.no_rate_check and not args.emulate:
         raise Error("--no-rate-check applies to --emulate only")
     if args.mtu is not None:
@@ -124,43 +154,29 @@ def _options(args):
     return opts, file
 
 
-def _bench(args, opts, file):
+def _ranks_to_launch(args, file):
+    """Outside mpiexec: the ranks of the topology file, else ``--nranks`` (default 1)."""
     from .. import bench
 
-    if args.emulate:
-        return _relaunch_emulated(opts, args.no_rate_check, args.mtu)
-    if not under_mpi():
-        if file:
-            from ..topology import Topology
-            n = Topology.load(file).nranks
-        else:
-            n = bench._parse_int(args.nranks, "--nranks", minimum=1) if args.nranks is not None else 1
-        if n > 1:
-            return _relaunch_mpiexec(opts, n)
-    return _run_here(opts)
+    if file:
+        from ..topology import Topology
+        return Topology.load(file).nranks
+    return bench._parse_int(args.nranks, "--nranks", minimum=1) if args.nranks is not None else 1
 
 
-def _run_here(opts):
-    """Inside one MPI rank. Errors print once (rank 0) when every rank raises them alike."""
-    from mpi4py import MPI
-
-    from .. import bench
-    world = MPI.COMM_WORLD
-    try:
-        return bench.run(opts, world)
-    except Error:
-        if world.rank == 0:
-            raise
-        return 2  # the same error on every rank: rank 0 says it
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        if world.size > 1:  # a bug on one rank must not leave the others waiting forever
-            import traceback
-            traceback.print_exc()
-            sys.stderr.flush()
-            world.Abort(1)
-        raise
+def _abort(world, exc):
+    """Say ``exc`` in one line (a traceback for a bug), then MPI_Abort every rank of ``world``: with
+    status 130 for an interrupt (as a shell reports SIGINT), 2 for a user error, 1 for a bug."""
+    if isinstance(exc, KeyboardInterrupt):
+        text, status = "ddl: interrupted", 130
+    elif isinstance(exc, Error):
+        text, status = f"ddl: error: {exc}", 2
+    else:
+        import traceback
+        text, status = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(), 1
+    sys.stderr.write(text + "\n")     # one write: lines of ranks aborting together stay whole
+    sys.stderr.flush()
+    world.Abort(status)
 
 
 def forward_argv(opts):
