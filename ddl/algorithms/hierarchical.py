@@ -404,7 +404,8 @@ def _span_order(p, stages, holders, pos, chosen=None):
     (:meth:`ScheduleBuilder.runs`) rather than a chunk per target; on uneven groups, where no order
     serves every group, as a few more."""
     reference = [holders[s][0] for s in range(1, len(stages) + 1)]
-    return sorted(range(p) if chosen is None else chosen, key=lambda t: tuple(pos[row[t]] for row in reference) + (pos[t],))
+    return sorted(range(p) if chosen is None else chosen,
+                  key=lambda t: tuple(pos[row[t]] for row in reference) + (pos[t],))
 
 
 def hierarchical(topo, collective, *, root=0, nbytes=None):
