@@ -40,14 +40,20 @@ pairs a span's send with a receive of the same span.
 (the multi-commodity-flow planner uses it); pairs without an entry follow the topology's routes,
 split evenly.
 """
+import errno
 import gc
 import json
+import math
 import operator
 import os
+import reprlib
+import stat
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple
 
@@ -245,28 +251,24 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data):
+        """The schedule ``data`` (a :meth:`to_dict`, as read from JSON) describes. Every part is checked
+        for its shape first, so that a hand edit gone wrong is named where it is (``programs[2][5]``,
+        ``routes[0].paths[1].via``) instead of failing later, deep in a tool, on a value of the wrong
+        type; what the parts mean together (ranks, chunks, pairs) is checked by the constructor and the
+        verifier."""
         if not isinstance(data, dict) or data.get("format") not in _READABLE:
             raise ScheduleError(f"not a ddl schedule (expected \"format\": \"{FORMAT}\")")
-        try:
-            programs = tuple(tuple(_op(k, c, p) for k, c, p in prog) for prog in data["programs"])
-            routes = {}
-            for r in data.get("routes", []):
-                pair = (_int(r["src"], "route src"), _int(r["dst"], "route dst"))
-                if pair in routes:
-                    raise ScheduleError(f"routes: pair {pair[0]} -> {pair[1]} is listed twice; give each pair once, "
-                                        f"with all its paths")
-                routes[pair] = tuple((tuple(p["via"]), float(p["share"])) for p in r["paths"])
-            algorithm, info = data.get("algorithm", ""), data.get("info", {})
-            if not isinstance(algorithm, str) or not isinstance(info, dict):
-                raise ScheduleError(f"\"algorithm\" must be a string and \"info\" a mapping, not "
-                                    f"{type(algorithm).__name__} and {type(info).__name__}")
-            return cls(collective=data["collective"], nranks=_int(data["nranks"], "nranks"),
-                       pattern=tuple(_int(w, "pattern weight") for w in data["pattern"]), programs=programs,
-                       root=_int(data.get("root", 0), "root"), algorithm=algorithm,
-                       info=info, routes=routes,
-                       spans=tuple((_int(f, "span start"), _int(c, "span length")) for f, c in data.get("spans", [])))
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise ScheduleError(f"malformed schedule: {exc!r}") from None
+        algorithm, info = data.get("algorithm", ""), data.get("info", {})
+        if not isinstance(algorithm, str) or not isinstance(info, dict):
+            raise ScheduleError(f"\"algorithm\" must be a string and \"info\" a mapping, not "
+                                f"{type(algorithm).__name__} and {type(info).__name__}")
+        with gc_paused():                  # (millions of operations, no cycles: see gc_paused)
+            return cls(collective=_field(data, "collective", "the schedule"),
+                       nranks=_int(_field(data, "nranks", "the schedule"), "nranks"),
+                       pattern=_pattern(_field(data, "pattern", "the schedule")),
+                       programs=_programs(_field(data, "programs", "the schedule")),
+                       root=_int(data.get("root", 0), "root"), algorithm=algorithm, info=info,
+                       routes=_routes(data.get("routes", [])), spans=_spans(data.get("spans", [])))
 
     def to_json(self, indent=None):
         return json.dumps(self.to_dict(), indent=indent)
@@ -274,7 +276,8 @@ class Schedule:
     @classmethod
     def from_json(cls, text):
         try:
-            data = json.loads(text)
+            with gc_paused():              # a list per operation: as from_dict
+                data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ScheduleError(f"schedule is not valid JSON: {exc}") from None
         except RecursionError:
@@ -309,12 +312,13 @@ def write_file(path, text, replace=True):
     readers see the old file or the new one and never a part; readable as the umask allows (like a
     file opened for writing, not a temporary file's 0600). ``replace=False``: only where ``path`` does
     not exist yet (a hard link, which fails if it does, so that of two writers the first stays);
-    returns whether it wrote. OSError names ``path``."""
-    path = Path(path)
+    returns whether it wrote. A symlink is followed, as writing through it would (see
+    :func:`write_target`). OSError names ``path``."""
+    shown, path = path, write_target(path)
     try:
         fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=path.name + "-", dir=path.parent)
     except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise OSError(exc.errno, exc.strerror, str(shown)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -334,23 +338,151 @@ def write_file(path, text, replace=True):
             os.replace(tmp, path)
         return True
     except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise OSError(exc.errno, exc.strerror, str(shown)) from None
     finally:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _int(value, what):
+def write_target(path):
+    """The file that writing ``path`` replaces, as a Path. A symlink's target: renaming a new file over
+    the link would replace the link itself, so the target is written instead (renamed in its own
+    folder: still atomic) and the link stays. Refused, with an OSError naming ``path``, where something
+    other than a regular file is there: renaming over a device, a FIFO or a socket would destroy it (as
+    root, over /dev/null, the system's)."""
+    target = Path(os.path.realpath(path))
+    kind = file_kind(target)
+    if kind is not None:
+        linked = f"links to {target}, " if os.path.islink(path) else ""
+        raise OSError(errno.EEXIST, f"{linked}{kind}, not a regular file: name a file to write", str(path))
+    return target
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(path):
+    """What is at ``path`` (following symlinks) when it is there and not a regular file: "a folder",
+    "a character device", ...; None for a regular file, or where nothing is (or it cannot be looked
+    at: the write itself then says why)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+# ---- reading a schedule's parts: each checks its shape and names the entry that is wrong -----------
+def _show(value):
+    """A wrong entry as a message shows it: its repr, cut short (it may be a whole program)."""
+    return reprlib.repr(value)
+
+
+def _field(mapping, key, where):
+    """``mapping[key]``, where ``mapping`` is the schedule or one of its entries (named ``where``)."""
+    if key not in mapping:
+        raise ScheduleError(f"{where} has no \"{key}\"")
+    return mapping[key]
+
+
+def _int(value, where):
     """A JSON integer as is; anything else (1.5, "3", true) is refused, not truncated into another value."""
     if type(value) is not int:
-        raise ValueError(f"{what} must be an integer, got {value!r}")
+        raise ScheduleError(f"{where} must be an integer, got {_show(value)}")
     return value
 
 
-def _op(kind, chunk, peer):
-    if type(chunk) is not int or type(peer) is not int or type(kind) is not str:
-        raise ValueError(f"an operation is [kind, chunk, peer] with a string and two integers, "
-                         f"got {[kind, chunk, peer]!r}")
-    return _new_op(Op, (kind, chunk, peer))
+def _list(value, where, of):
+    """``value``, which must be a list (``of``: what it holds, for the message)."""
+    if not isinstance(value, (list, tuple)):
+        raise ScheduleError(f"{where} must be a list of {of}, got {_show(value)}")
+    return value
+
+
+def _pattern(value):
+    return tuple(_int(w, f"pattern[{i}]") for i, w in enumerate(_list(value, "pattern", "chunk weights")))
+
+
+def _spans(value):
+    return tuple(_span(i, span) for i, span in enumerate(_list(value, "spans", "[first, count] pairs")))
+
+
+def _span(i, span):
+    if not (isinstance(span, (list, tuple)) and len(span) == 2 and type(span[0]) is int and type(span[1]) is int):
+        raise ScheduleError(f"spans[{i}]: a span is [first, count], two integers, got {_show(span)}")
+    return tuple(span)
+
+
+def _programs(value):
+    programs = _list(value, "programs", "programs, one per rank (each a list of operations)")
+    return tuple(_program(rank, ops) for rank, ops in enumerate(programs))
+
+
+def _program(rank, ops):
+    """Rank ``rank``'s program as a tuple of :class:`Op`. Schedules hold millions of operations, so
+    they are made and their types checked a whole program at a time, in C (no Python call per
+    operation); only a program that fails is gone through again, to name its first wrong operation."""
+    _list(ops, f"programs[{rank}]", "operations [kind, chunk, peer]")
+    try:
+        program = tuple(map(_new_op, repeat(Op), ops))
+    except TypeError:                                  # an operation that is no sequence
+        program = None
+    if program is not None and _well_formed(program):
+        return program
+    i, op = next((i, op) for i, op in enumerate(ops) if not _is_op(op))
+    raise ScheduleError(f"programs[{rank}][{i}]: an operation is [kind, chunk, peer], a string and two "
+                        f"integers, got {_show(op)}")
+
+
+def _well_formed(program):
+    """Whether every operation of ``program`` has three items: a string and two integers (what makes
+    the tuples :func:`_program` made Ops: it made one of any sequence, a string "abc" or a dict too)."""
+    if not program:
+        return True
+    if set(map(len, program)) != {3}:
+        return False
+    kinds, chunks, peers = zip(*program)
+    return set(map(type, kinds)) == {str} and set(map(type, chunks)) == set(map(type, peers)) == {int}
+
+
+def _is_op(op):
+    return (isinstance(op, (list, tuple)) and len(op) == 3 and type(op[0]) is str and type(op[1]) is int
+            and type(op[2]) is int)
+
+
+def _routes(value):
+    """``{(src, dst): ((via, share), ...)}`` from the ``routes`` entries."""
+    routes = {}
+    for i, entry in enumerate(_list(value, "routes", '{"src", "dst", "paths"} entries')):
+        where = f"routes[{i}]"
+        if not isinstance(entry, dict):
+            raise ScheduleError(f'{where} must be a mapping {{"src": rank, "dst": rank, "paths": [...]}}, '
+                                f"got {_show(entry)}")
+        pair = (_int(_field(entry, "src", where), f"{where}.src"), _int(_field(entry, "dst", where), f"{where}.dst"))
+        if pair in routes:
+            raise ScheduleError(f"routes: pair {pair[0]} -> {pair[1]} is listed twice; give each pair once, "
+                                f"with all its paths")
+        paths = _list(_field(entry, "paths", where), f"{where}.paths", '{"via", "share"} entries')
+        routes[pair] = tuple(_path(f"{where}.paths[{j}]", path) for j, path in enumerate(paths))
+        if sum(share for _, share in routes[pair]) == math.inf:
+            raise ScheduleError(f"{where}: the shares add up to more than a float holds; they are relative "
+                                f"(each path's part of their sum): scale them down")
+    return routes
+
+
+def _path(where, path):
+    """One ``{"via": [node, ...], "share": number}`` entry of a route as ``(via, share)``."""
+    if not isinstance(path, dict):
+        raise ScheduleError(f'{where} must be a mapping {{"via": [node, ...], "share": number}}, got {_show(path)}')
+    via, share = _field(path, "via", where), _field(path, "share", where)
+    if not isinstance(via, (list, tuple)) or not all(type(v) is str for v in via):
+        raise ScheduleError(f"{where}.via must be a list of node names (strings), got {_show(via)}")
+    if type(share) not in (int, float) or not 0 <= share <= sys.float_info.max:
+        raise ScheduleError(f"{where}.share must be a finite number >= 0 (the path's part of the pair's "
+                            f"traffic), got {_show(share)}")
+    return tuple(via), float(share)
 
 
 class ScheduleBuilder:

@@ -418,7 +418,7 @@ def test_bad_json_is_a_schedule_error():
         Schedule.from_json("{")
     with pytest.raises(ScheduleError, match="not a ddl schedule"):
         Schedule.from_json('{"collective": "allreduce"}')
-    with pytest.raises(ScheduleError, match="malformed"):
+    with pytest.raises(ScheduleError, match='the schedule has no "nranks"'):
         Schedule.from_json('{"format": "ddl.schedule/1", "collective": "allreduce"}')
     with pytest.raises(ScheduleError, match="nested too deeply"):
         Schedule.from_json("[" * 100000 + "]" * 100000)
@@ -427,8 +427,8 @@ def test_bad_json_is_a_schedule_error():
 @pytest.mark.parametrize("edit,what", [
     (lambda d: d["programs"][0][0].__setitem__(2, 1.5), "two integers"),
     (lambda d: d["programs"][0][0].__setitem__(1, "0"), "two integers"),
-    (lambda d: d["pattern"].__setitem__(0, 0.5), "pattern weight must be an integer, got 0.5"),
-    (lambda d: d["pattern"].__setitem__(0, True), "pattern weight must be an integer, got True"),
+    (lambda d: d["pattern"].__setitem__(0, 0.5), r"pattern\[0\] must be an integer, got 0.5"),
+    (lambda d: d["pattern"].__setitem__(0, True), r"pattern\[0\] must be an integer, got True"),
     (lambda d: d.__setitem__("nranks", 3.9), "nranks must be an integer, got 3.9"),
     (lambda d: d.__setitem__("nranks", float("inf")), "nranks must be an integer"),
     (lambda d: d.__setitem__("root", 1.7), "root must be an integer, got 1.7"),
@@ -440,6 +440,135 @@ def test_hand_edited_numbers_are_refused_not_truncated(edit, what):
     edit(d)
     with pytest.raises(ScheduleError, match=what):
         Schedule.from_json(json.dumps(d))
+
+
+def routed_ring(p=4):
+    """:func:`ring_allreduce` as a dict, with one pinned route (rank 0 -> 1) to edit."""
+    d = ring_allreduce(p).to_dict()
+    d["routes"] = [{"src": 0, "dst": 1, "paths": [{"via": ["r0", "sw", "r1"], "share": 1.0}]}]
+    return d
+
+
+def _set(path, value):
+    """An edit of a schedule dict: the entry at ``path`` (keys and indices) becomes ``value``."""
+    def edit(d):
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit,says", [
+    (_set(("programs", 2, 5), ["send", 3]), "programs[2][5]: an operation is [kind, chunk, peer], a string and "
+                                             "two integers, got ['send', 3]"),
+    (_set(("programs", 0, 0), ["send", 0, 1, 5]), "programs[0][0]: an operation is [kind, chunk, peer]"),
+    (_set(("programs", 1, 3), {"kind": "send"}), "programs[1][3]: an operation is [kind, chunk, peer], a string "
+                                                  "and two integers, got {'kind': 'send'}"),
+    (_set(("programs", 3, 0), "abc"), "programs[3][0]: an operation is [kind, chunk, peer], a string and two "
+                                      "integers, got 'abc'"),
+    (_set(("programs", 0, 1), 7), "programs[0][1]: an operation is [kind, chunk, peer]"),
+    (_set(("programs", 0, 1), ["send", True, 1]), "programs[0][1]: an operation is [kind, chunk, peer]"),
+    (_set(("programs", 1), None), "programs[1] must be a list of operations [kind, chunk, peer], got None"),
+    (_set(("programs",), {"0": []}), "programs must be a list of programs, one per rank"),
+    (_set(("pattern",), 4), "pattern must be a list of chunk weights, got 4"),
+    (_set(("spans",), [[0]]), "spans[0]: a span is [first, count], two integers, got [0]"),
+    (_set(("spans",), [[0, 2], [0, 1, 2]]), "spans[1]: a span is [first, count], two integers, got [0, 1, 2]"),
+    (_set(("spans",), "ab"), "spans must be a list of [first, count] pairs, got 'ab'"),
+    (_set(("routes",), "x"), 'routes must be a list of {"src", "dst", "paths"} entries, got \'x\''),
+    (_set(("routes", 0), 5), 'routes[0] must be a mapping {"src": rank, "dst": rank, "paths": [...]}, got 5'),
+    (_set(("routes", 0, "src"), "0"), "routes[0].src must be an integer, got '0'"),
+    (lambda d: d["routes"][0].pop("paths"), 'routes[0] has no "paths"'),
+    (_set(("routes", 0, "paths"), "x"), 'routes[0].paths must be a list of {"via", "share"} entries, got \'x\''),
+    (_set(("routes", 0, "paths", 0), ["r0", "r1"]), 'routes[0].paths[0] must be a mapping {"via": [node, ...], '
+                                                    '"share": number}'),
+    (_set(("routes", 0, "paths", 0, "via"), [{"a": 1}]), "routes[0].paths[0].via must be a list of node names "
+                                                          "(strings), got [{'a': 1}]"),
+    (_set(("routes", 0, "paths", 0, "via"), [["a"]]), "routes[0].paths[0].via must be a list of node names"),
+    (_set(("routes", 0, "paths", 0, "via"), ["r0", 5, "r1"]), "routes[0].paths[0].via must be a list of node names"),
+    (_set(("routes", 0, "paths", 0, "via"), "r0"), "routes[0].paths[0].via must be a list of node names"),
+    (_set(("routes", 0, "paths", 0, "via"), None), "routes[0].paths[0].via must be a list of node names"),
+    (_set(("routes", 0, "paths", 0, "share"), True), "routes[0].paths[0].share must be a finite number >= 0"),
+    (_set(("routes", 0, "paths", 0, "share"), "1e308"), "routes[0].paths[0].share must be a finite number >= 0"),
+    (_set(("routes", 0, "paths", 0, "share"), [1]), "routes[0].paths[0].share must be a finite number >= 0"),
+    (_set(("routes", 0, "paths", 0, "share"), -1), "routes[0].paths[0].share must be a finite number >= 0"),
+    (_set(("routes", 0, "paths", 0, "share"), float("nan")), "routes[0].paths[0].share must be a finite number"),
+    (_set(("routes", 0, "paths", 0, "share"), 10 ** 400), "routes[0].paths[0].share must be a finite number"),
+    (lambda d: d["routes"][0]["paths"].append({"via": ["r0", "sw", "r1"], "share": 1e308}) or
+     d["routes"][0]["paths"][0].__setitem__("share", 1e308), "routes[0]: the shares add up to more than a float holds"),
+    (lambda d: d.pop("collective"), 'the schedule has no "collective"'),
+])
+def test_a_wrong_entry_is_named_with_what_it_should_be(edit, says):
+    """A hand edit of the wrong shape is refused with one ScheduleError that names the entry, never a
+    TypeError from deep inside a tool (a route's via of dicts failed in the simulator, unhashable)."""
+    d = routed_ring()
+    edit(d)
+    with pytest.raises(ScheduleError) as err:
+        Schedule.from_json(json.dumps(d))
+    assert str(err.value).startswith(says), str(err.value)
+
+
+def test_reading_checks_whole_programs_and_loads_what_it_wrote():
+    """Operations are made a program at a time: what is read equals what was written, Ops and all, and
+    one wrong operation far into a long program is found and named."""
+    sched = span_ring_allreduce(5, 3)
+    again = Schedule.from_json(sched.to_json())
+    assert again == sched and all(type(op) is Op for prog in again.programs for op in prog)
+    d = sched.to_dict()
+    d["programs"][4][-1] = [d["programs"][4][-1][0], 1.0, d["programs"][4][-1][2]]
+    with pytest.raises(ScheduleError, match=rf"^programs\[4\]\[{len(d['programs'][4]) - 1}\]: an operation"):
+        Schedule.from_dict(d)
+
+
+def _device_or_fifo(path):
+    """A character device like /dev/null at ``path`` where this user may make one (root), else a FIFO."""
+    import os
+    import stat
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        return "a character device"
+    except OSError:
+        os.mkfifo(path)
+        return "a FIFO (named pipe)"
+
+
+def test_a_write_follows_a_symlink_and_refuses_what_is_not_a_file(tmp_path):
+    """``ddl plan --save LINK`` wrote a file in place of the link; ``--save`` onto a device node turned it
+    into a regular file (as root, ``--save /dev/null`` would replace the system's /dev/null)."""
+    import os
+    import stat
+
+    from ddl.schedule import write_file
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    link.symlink_to(real.name)
+    old = os.umask(0o022)
+    try:
+        assert write_file(link, "new")
+        assert link.is_symlink() and real.read_text() == "new" and stat.S_IMODE(real.stat().st_mode) == 0o644
+        assert not write_file(link, "other", replace=False) and real.read_text() == "new"
+        away = tmp_path / "sub"
+        away.mkdir()
+        dangling = tmp_path / "dangling.json"
+        dangling.symlink_to(away / "made.json")
+        assert write_file(dangling, "made", replace=False)            # written where it points, link kept
+        assert dangling.is_symlink() and (away / "made.json").read_text() == "made"
+    finally:
+        os.umask(old)
+    special = tmp_path / "null"
+    kind = _device_or_fifo(special)
+    to_special = tmp_path / "to-null"
+    to_special.symlink_to(special)
+    for path, says in ((special, f"{kind}, not a regular file"),
+                       (to_special, f"links to {special}, {kind}, not a regular file"),
+                       (away, "a folder, not a regular file")):
+        for replace in (True, False):
+            with pytest.raises(OSError) as err:
+                write_file(path, "x", replace=replace)
+            assert err.value.filename == str(path) and says in err.value.strerror
+    assert not stat.S_ISREG(special.stat().st_mode) and to_special.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.json", "link.json", "null", "real.json", "sub",
+                                                           "to-null"]    # no temporary file left
 
 
 @settings(max_examples=60, deadline=None)

@@ -28,12 +28,21 @@ def launcher_rank():
 def check_output_file(option, path, example):
     """Fail before the work, not after it: ``path`` (given with ``option``) must name a file that can be
     written, in a folder that exists. One wording for every option that writes a file; ``example`` is
-    the file name a message suggests."""
+    the file name a message suggests. A symlink is checked where it points, which is what is written
+    (:func:`ddl.schedule.write_target`); a device, FIFO or socket is refused, not replaced by a file."""
+    from ..schedule import file_kind
+
     if not path.strip():
         raise Error(f"{option} needs a file name, e.g. {option} {example}")
     if os.path.isdir(path) or path.endswith(os.sep):
         raise Error(f"{option} {path} is a folder: name the file, e.g. {os.path.join(path, example)}")
-    folder = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+    kind = file_kind(target)
+    if kind is not None:
+        linked = f" links to {target}, which" if target != os.path.abspath(path) else ""
+        raise Error(f"{option} {path}{linked} is {kind}, not a regular file: name a file to write, e.g. "
+                    f"{option} {example}")
+    folder = os.path.dirname(target)
     if not os.path.isdir(folder):
         what = "is not a folder" if os.path.exists(folder) else "does not exist"
         raise Error(f"{option} {path}: folder {folder} {what}")
