@@ -29,11 +29,45 @@ def pick_topology(path, size):
     return None
 
 
+class Parser(argparse.ArgumentParser):
+    """Every rank reads the same arguments: a mistake in them is said once, by rank 0."""
+
+    def error(self, message):
+        if MPI.COMM_WORLD.rank:
+            self.exit(2)
+        super().error(message)
+
+
+def iterations(text):
+    """--iters: the timings' best and median need one call at least."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
+
+
+def describe(comm, nbytes):
+    """What runs for an allreduce of ``nbytes``, said by rank 0: small inputs ride on the shared-memory
+    agreement board (every rank posts its input and sums all of them: no messages, no schedule), up to
+    ``comm.inline_bytes`` (0 where that path is off); larger ones run the planned schedule."""
+    if nbytes <= comm.inline_bytes:
+        print(f"  path: inline on the shared-memory agreement board (inputs up to {format_size(comm.inline_bytes)} "
+              f"per rank; env DDL_INLINE_BYTES): each rank reads every input and sums them, no point-to-point "
+              f"messages and no schedule")
+        return
+    sched = comm.plan(nbytes)
+    print(f"  plan: {sched.algorithm} ({sched.nchunks} chunks, {sched.nops} point-to-point ops)")
+    if comm.size > 1:
+        plan = comm.explain(nbytes)
+        print(f"  predicted {format_seconds(plan.predicted_seconds)} on the modelled fabric "
+              f"(lower bound {format_seconds(plan.bound_seconds)}): {plan.reason}")
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("topology", nargs="?", default=None)
     ap.add_argument("--size", default="4MiB", help="message size (default 4MiB)")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=iterations, default=5, help="timed calls (default 5)")
     args = ap.parse_args()
 
     world = MPI.COMM_WORLD
@@ -43,12 +77,7 @@ def main():
     if comm.rank == 0:
         topo = comm.topology.name if comm.topology is not None else "single rank"
         print(f"ddl allreduce of {format_size(count * 4)} float32 on {comm.size} ranks, topology {topo}")
-        sched = comm.plan(count * 4)
-        print(f"  plan: {sched.algorithm} ({sched.nchunks} chunks, {sched.nops} point-to-point ops)")
-        if comm.size > 1:
-            plan = comm.explain(count * 4)
-            print(f"  predicted {format_seconds(plan.predicted_seconds)} on the modelled fabric "
-                  f"(lower bound {format_seconds(plan.bound_seconds)}): {plan.reason}")
+        describe(comm, count * 4)
 
     send = np.arange(count, dtype=np.float32) % 1024 + comm.rank
     recv = np.empty_like(send)

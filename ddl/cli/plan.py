@@ -99,8 +99,8 @@ def run(args):
             if given is not None:
                 try:
                     plans.append((topo, planner.evaluate(given, nbytes, source=args.schedule), None))
-                except ScheduleError as exc:
-                    raise ScheduleError(f"{args.schedule}: {exc}") from None
+                except (ScheduleError, PlanError) as exc:     # (PlanError: for another rank count, say)
+                    raise type(exc)(f"{args.schedule}: {exc}") from None
                 continue
             plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
             plans.append((topo, plan, _cache_state(planner, args, nbytes, plan)))
@@ -144,8 +144,15 @@ def _timeline(topo, plan):
 
 def _strip(profile):
     """One character per slice, from idle (blank) to full (@)."""
+    return "".join(map(_glyph, profile))
+
+
+def _glyph(load):
+    """The character of a slice busy ``load`` (0..1) of the time: the nearest level, but never blank
+    unless idle, since the legend says blank is idle (rounding put a slice under 1/18 busy there)."""
     top = len(TIMELINE_LEVELS) - 1
-    return "".join(TIMELINE_LEVELS[min(top, int(x * top + 0.5))] for x in profile)
+    level = min(top, int(load * top + 0.5))
+    return TIMELINE_LEVELS[max(level, 1) if load > 0 else level]
 
 
 def _cache_state(planner, args, nbytes, plan):
