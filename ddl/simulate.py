@@ -470,6 +470,9 @@ class _Fabric:
         total = sum(merged.values())
         if not total > 0:
             raise ScheduleError(f"{where}: no path has a positive share")
+        if total == math.inf:          # each share finite, their sum not: every share over it would be 0 or nan
+            raise ScheduleError(f"{where}: the path shares add up to more than a float holds; they are relative "
+                                f"(each path's part of their sum): scale them down")
         ends = (self.topo.ranks[src], self.topo.ranks[dst])
         bundles, shares, latency = [], [], 0.0
         for path, w in merged.items():

@@ -512,6 +512,12 @@ def test_bad_inputs_raise():
                          routes={(0, 1): ((("a", "s1"), 1.0),)})
     with pytest.raises(ScheduleError, match="must run from"):
         simulate(topo, wrong_end, 1e6)
+    huge = 1.5e308                     # each share finite, their sum not (the same path twice, or two paths)
+    for route in (((("a", "s1", "b"), huge), (("a", "s1", "b"), huge)),
+                  ((("a", "s1", "b"), huge), (("a", "s2", "b"), huge))):
+        overflow = Schedule(base.collective, 2, base.pattern, base.programs, routes={(0, 1): route})
+        with pytest.raises(ScheduleError, match="add up to more than a float holds"):
+            simulate(topo, overflow, 1e6)
     with pytest.raises(ScheduleError, match="ranks"):
         simulate(star(3), base, 1e6)
     with pytest.raises(ScheduleError):
