@@ -500,6 +500,11 @@ class ScheduleBuilder:
         self.spans = {}                   # (first, count) -> its index in Schedule.spans
         nblocks = nranks if collective in ("reduce_scatter", "allgather") else 1
         self._nchunks = nblocks * len(self.pattern)
+        self._firsts = []                 # the first chunk of every span, by index
+
+    def first_chunk(self, cid):
+        """The chunk a chunk id starts with: itself, or a span's first chunk (see :meth:`runs`)."""
+        return cid if cid < self._nchunks else self._firsts[cid - self._nchunks]
 
     def runs(self, chunks, pieces=1, most=None):
         """Chunk ids that carry ``chunks`` in few operations: every run of consecutive chunks inside one
@@ -518,7 +523,10 @@ class ScheduleBuilder:
                 if z - a == 1:
                     ids.append(chunks[a])
                 else:
-                    ids.append(self._nchunks + self.spans.setdefault((chunks[a], z - a), len(self.spans)))
+                    index = self.spans.setdefault((chunks[a], z - a), len(self.spans))
+                    if index == len(self._firsts):
+                        self._firsts.append(chunks[a])
+                    ids.append(self._nchunks + index)
             i = j
         return ids
 

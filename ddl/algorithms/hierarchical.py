@@ -82,9 +82,9 @@ stages nothing waits that way (on the DGX A100 clusters the parts were predicted
 nothing is split. The parts make the simulation slower (the 192-rank schedule's 5 s instead of
 2 s), since the rings no longer step together.
 
-Leaders. The parts of a wave that different GPUs of a host hold still cross the host's NIC at
-once: on the 192-rank cluster four GPUs' first parts went round each rack's hosts at a quarter of
-the NIC each, and the rack uplinks idled 1.4 ms at the start and 0.95 ms at the end of 59.7 ms. With
+Leaders. The parts of a wave that different GPUs of a host hold still cross the host's NIC at once:
+on the 192-rank cluster four GPUs' first parts went round each rack's hosts at a quarter of the NIC
+each, and the rack uplinks idled 1.4 ms at the start and 0.95 ms at the end of 59.7 ms. With
 *leaders* (``leaders=True``) only the first rank of each first-stage group (in ring order) holds
 targets, its group's shares summed (:func:`leader_shares`): the first stage's rings pass the others'
 partial sums along to it (a chain: each member sends the buffer once each way) and only leaders take
@@ -93,14 +93,30 @@ the same bytes on it, and a quarter of the targets make a quarter of the operati
 and the floor (on a leader's four times larger chunks) allow more waves: 12 waves on the 192-rank
 cluster, its uplinks busy from 0.63 ms, 1.019 of the bound instead of 1.043 (exchanging to the
 leaders in the first stage; 1.020 by ring). Leaders are tried only where they load no link more than
-a share per rank does (:func:`ddl.simulate.load_seconds` of both, one chunk each): a DGX A100's
-GPUs have a NIC each, and leaders would send the box's traffic through one of them. Small schedules
-simulate them as variants; large ones (below) take them, with the most waves under the highest cap,
-by ring or exchanging, whichever simulates faster, except where the budget allows them one wave
-only: a wave of leaders goes in ``m`` parts where a share per rank goes in ``g m``, and at 1024
-ranks that one wave of 16 parts gave 1.060 of the bound against 1.036 for the 64 parts of a share
-per rank. On clusters built like the 192-rank one, a share per rank against leaders: 128 ranks
-1.057 and 1.024, 256 ranks 1.037 and 1.017, 512 ranks 1.068 and 1.019.
+a share per rank does (:func:`ddl.simulate.load_seconds` of both, one chunk each): a DGX A100's GPUs
+have a NIC each, and leaders would send the box's traffic through one of them. Small schedules
+simulate them as variants, which must be predicted 1% faster to replace a share per rank (as
+variants with more messages must: on the emulated one-switch cluster, 64 MiB at a fifth of the link
+rate, twelve waves of leaders predicted 0.005% faster than eight of a share per rank ran 2.5% slower
+in three alternating pairs, 472-485 ms against 464-479 ms); large ones (below) take them, with the
+most waves under the highest cap, by ring or exchanging, whichever simulates faster, except where
+the budget allows them one wave only: a wave of leaders goes in ``m`` parts where a share per rank
+goes in ``g m``, and at 1024 ranks that one wave of 16 parts gave 1.060 of the bound against 1.036
+for the 64 parts of a share per rank. On clusters built like the 192-rank one, a share per rank
+against leaders: 128 ranks 1.057 and 1.024, 256 ranks 1.037 and 1.017, 512 ranks 1.068 and 1.019.
+
+Handoff. A ring member of the top stage sends block ``i - 1`` first (``i`` its index), then
+``i - 2``, ..., and gets its own block back first, then ``i - 1``, ... The stage below lists each
+member's chunks in that order (:func:`_handoff_order`), so the top stage starts as soon as the
+first block it needs is reduced, and the stage below passes on the first block it gets back, where
+both used to go in one order in every group: on the 4 x 8 DGX A100 cluster each box's NICs waited
+for the first wave's whole exchange through the NVSwitch, 33 us, and now start after 11 (1.027 of
+the bound -> 1.023); on the 8:1 fat tree 1.016 -> 1.006, the leaf-spine 1.011 -> 1.004 (two stages
+instead of three), the one-switch emulated cluster 1.028 -> 1.008. The bytes and the messages are
+the same. Only the stage below the top is ordered: on the 192-rank cluster ordering the hosts' chunks
+for the rack rings made the NICs start at 37 us instead of 177 but the rack uplinks finish later
+(1.0200 of the bound against 1.0189), since a rack ring's fifteen steps, not its start, set when
+the uplinks get the first sums.
 
 Equal shares. An allreduce may cut its buffer among the targets in any proportion. With a share per
 rank, a group of the stage below the top (a rack) reduces its ranks' share of the buffer and ships
@@ -121,8 +137,11 @@ leaf-spine a ring over all eight hosts (two crossings of each rack's uplinks per
 the in-host stage better than a stage inside each rack and another across the racks, 1.016 of the
 bound against 1.080. So where the schedules are small enough to simulate in a moment
 (``CHOOSE_VARIANTS_OPS``), the variants are built and simulated on the topology: every tier,
-then each tier left out in turn, with the most waves that fit under a cap of 8; then, on the
-stages kept, the most waves under caps of 12 and 16; then the fastest stage exchanging directly,
+then each tier left out in turn, with the most waves that fit under a cap of 8 (a tier left out
+must be predicted 1% faster, since the later variants are tried only on the stages kept: on racks of
+8, 8 and 4 GPUs leaving the hosts out was predicted 0.03% faster, and kept equal shares with
+leaders out, 1.021 of the bound against 1.013); then, on the stages kept, the most waves under caps
+of 12 and 16; then the fastest stage exchanging directly,
 where its groups have more than two ranks; then leaders. Larger schedules take every tier: leaders
 where they apply (see Leaders), else, untried, with the most waves under the cap of 8 that the
 floor and the budget allow for those stages (the variants share one count, which fits the largest of
@@ -141,7 +160,7 @@ from ..schedule import ScheduleBuilder
 from ..simulate import load_seconds, simulate
 from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
-from .variants import CHOOSE_VARIANTS_OPS, replaces
+from .variants import CHOOSE_VARIANTS_OPS, MIN_VARIANT_GAIN, replaces
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
@@ -207,7 +226,7 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
                           lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), split=False, balanced=False,
-                          leaders=False, **info):
+                          leaders=False, handoff=True, **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
@@ -260,14 +279,21 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     up_ops = {s: exchange_reduce_scatter if s in exchange else ring_reduce_scatter for s in range(1, len(stages) + 1)}
     down_ops = {s: exchange_allgather if s in exchange else ring_allgather for s in range(1, len(stages) + 1)}
 
+    below_top = len(stages) - 1          # the stage that hands the top stage its chunks (see Handoff)
+    ahead = (_handoff_order(stages, holders, children, pos, targets)
+             if handoff and below_top > 0 and len(stages) not in exchange else None)
+    owner = {c: t for t, chunks in targets.items() for c in chunks} if ahead else None
+
     def down(w):
         for s in range(len(stages), 0, -1):
-            _stage(b, s, holders, children, wave[w], pos, down_ops[s], spans)
+            _stage(b, s, holders, children, wave[w], pos, down_ops[s], spans, ahead if s == below_top else None,
+                   owner, 1)
 
     for w in range(len(wave)):
         if collective in ("allreduce", "reduce_scatter"):
             for s in range(1, len(stages) + 1):
-                _stage(b, s, holders, children, wave[w], pos, up_ops[s], spans)
+                _stage(b, s, holders, children, wave[w], pos, up_ops[s], spans,
+                       ahead if s == below_top else None, owner, 0)
         if collective != "reduce_scatter" and w >= lag:
             down(w - lag)
     if collective != "reduce_scatter":
@@ -276,7 +302,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
                    span_pieces=spans, lag=lag, exchange_stages=list(exchange), wave_parts=len(wave) // waves,
                    balanced=bool(balanced and collective == "allreduce"),
-                   leaders=bool(leaders and collective == "allreduce"),
+                   leaders=bool(leaders and collective == "allreduce"), handoff=ahead is not None,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
 
@@ -335,10 +361,13 @@ def _holders(p, stages, pos):
     return holders, children
 
 
-def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
+def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces, ahead=None, owner=None, way=0):
     """One stage's rings: in every stage-``s`` group, the sub-groups' holders of the same targets form
     a ring (in ring order); each target's chunks end on (reduce-scatter) or start from (allgather) the
-    group's holder of that target; with ``span_pieces``, each member's chunks go as up to that many spans."""
+    group's holder of that target; with ``span_pieces``, each member's chunks go as up to that many spans.
+    ``ahead``: ``{(group, target): (up, down)}``, the order in which the next stage's rings take a
+    group's targets on the way up and hand them back on the way down (``way`` 0 or 1; see
+    :func:`_handoff_order`): each member's chunks go in that order (``owner``: chunk -> target)."""
     for X, kids in enumerate(children[s]):
         if len(kids) < 2:
             continue
@@ -349,7 +378,28 @@ def _stage(b, s, holders, children, targets, pos, ring_op, span_pieces):
         for members, blocks in rings.items():
             if span_pieces:                    # a few messages per run of chunks (see _span_order)
                 blocks = {r: b.runs(chunks, span_pieces) for r, chunks in blocks.items()}
+            if ahead:
+                def due(c):
+                    return ahead[X, owner[b.first_chunk(c)]][way]
+                blocks = {r: sorted(chunks, key=due) for r, chunks in blocks.items()}
             ring_op(b, list(members), [blocks.get(r, []) for r in members])
+
+
+def _handoff_order(stages, holders, children, pos, targets):
+    """``{(X, t): (up, down)}`` for the groups ``X`` of the stage below the top: when the top stage's
+    ring needs target ``t``'s chunks from ``X``'s holder on the way up (a ring member at index ``i``
+    sends block ``i - k - 1`` at step ``k``) and when it hands them back on the way down (it holds its
+    own block ``i`` first, then receives ``i - 1``, ``i - 2``, ...), 0 first (see Handoff)."""
+    top, below = len(stages), len(stages) - 1
+    order = {}
+    for P, kids in enumerate(children[top]):
+        for t in targets:
+            members = sorted({holders[below][Y][t] for Y in kids}, key=pos.get)
+            g, held = len(members), members.index(holders[top][P][t])
+            for Y in kids:
+                i = members.index(holders[below][Y][t])
+                order[Y, t] = ((i - 1 - held) % g, (i - held) % g)
+    return order
 
 
 def wave_parts(p, stages, holders, pos, chosen=None):
@@ -468,14 +518,17 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
     tried, kept = [], None
 
-    def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False):
+    def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False):
+        """Build and simulate a variant; keep it if it replaces the one kept (with ``margin``, only if
+        :data:`MIN_VARIANT_GAIN` faster, whatever its messages)."""
         nonlocal kept
         sched = build(tiers, k, lift, exchange, balanced, leaders)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
                       "leaders": leaders, "operations": sched.nops, "seconds": seconds})
-        if kept is None or replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost):
+        if kept is None or (seconds < kept[0] * (1 - MIN_VARIANT_GAIN) if margin else
+                            replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost)):
             kept = (seconds, tiers, sched)
         return seconds
 
@@ -484,10 +537,13 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         under each of ``caps``, then exchanging to the leaders with the fastest of those."""
         if not funnels(tiers, balanced):
             return
-        fastest = min((consider(tiers, *kl, (), balanced, True), kl)
-                      for kl in sorted({depth(tiers, balanced, True, most) for most in caps}))
+
+        def lead(k, lift, exchange=()):      # replacing a share per rank takes the margin (see Leaders)
+            return consider(tiers, k, lift, exchange, balanced, True,
+                            margin=kept is not None and not kept[2].info["leaders"])
+        fastest = min((lead(*kl), kl) for kl in sorted({depth(tiers, balanced, True, most) for most in caps}))
         if max(len(g) for g in stage_partitions(p, tiers)[0]) > 2 and funnels(tiers, balanced, (1,)):
-            consider(tiers, *fastest[1], (1,), balanced, True)
+            lead(*fastest[1], (1,))
 
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
             or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
@@ -497,8 +553,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         if kept is None:
             return build(parts, *depth(parts, balanced), balanced=balanced)
     else:
-        for tiers in tier_sets:            # every tier, then fewer, at the fewest waves
-            consider(tiers, *depths[0])
+        for tiers in tier_sets:            # every tier, then fewer (each must earn the margin), at the fewest waves
+            consider(tiers, *depths[0], margin=kept is not None)
         for k, lift in depths[1:]:         # then more waves on the stages kept
             consider(kept[1], k, lift)
         info = kept[2].info
