@@ -8,6 +8,7 @@ import pytest
 
 from ddl.cli import main
 from ddl.schedule import ScheduleBuilder
+from test_schedule import device_or_fifo
 
 T4 = """name: t4
 nodes:
@@ -47,20 +48,10 @@ def one_error(capsys, argv):
     return err.strip()
 
 
-def make_special(path):
-    """A character device like /dev/null at ``path`` where this user may make one (root), else a FIFO."""
-    try:
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
-        return "a character device"
-    except OSError:
-        os.mkfifo(path)
-        return "a FIFO (named pipe)"
-
-
 # ---- --save: a symlink is written through, a device is left alone ------------------------------------
 def test_save_refuses_a_device_a_fifo_or_a_link_to_one(t4, tmp_path, capsys):
     null, fifo, link = tmp_path / "null", tmp_path / "fifo", tmp_path / "to-null"
-    kind = make_special(null)
+    kind = device_or_fifo(null)
     os.mkfifo(fifo)
     link.symlink_to(null)
     for path, says in ((null, f"--save {null} is {kind}, not a regular file: name a file to write, e.g. "

@@ -101,9 +101,9 @@ def test_the_first_plan_of_a_size_class_stays_and_later_ones_say_so(tmp_path, mo
     from ddl.cli import main
     from ddl.schedule import Schedule
 
-    path = tmp_path / "t4.yaml"
-    path.write_text("name: t4\ntiers:\n  - {name: gpu, count: 2, bandwidth: 10 GB/s}\n"
-                    "  - {name: host, count: 2, bandwidth: 1 GB/s}\n")
+    path = tmp_path / "t6.yaml"
+    path.write_text("name: t6\ntiers:\n  - {name: gpu, count: 2, bandwidth: 10 GB/s}\n"
+                    "  - {name: host, count: 3, bandwidth: 1 GB/s}\n")
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path / "cache"))
     assert main(["plan", str(path), "--bytes", "129KiB,256KiB", "--workers", "1", "--json"]) == 0
     first, second = json.loads(capsys.readouterr().out)

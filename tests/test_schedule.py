@@ -519,7 +519,7 @@ def test_reading_checks_whole_programs_and_loads_what_it_wrote():
         Schedule.from_dict(d)
 
 
-def _device_or_fifo(path):
+def device_or_fifo(path):
     """A character device like /dev/null at ``path`` where this user may make one (root), else a FIFO."""
     import os
     import stat
@@ -556,7 +556,7 @@ def test_a_write_follows_a_symlink_and_refuses_what_is_not_a_file(tmp_path):
     finally:
         os.umask(old)
     special = tmp_path / "null"
-    kind = _device_or_fifo(special)
+    kind = device_or_fifo(special)
     to_special = tmp_path / "to-null"
     to_special.symlink_to(special)
     for path, says in ((special, f"{kind}, not a regular file"),
