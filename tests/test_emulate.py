@@ -132,6 +132,11 @@ def test_nic_chain_bottleneck_and_hostname():
     assert b.rate_out == 100 * MBIT           # two parallel links add up
     assert not plan.uplinks and list(plan.bridges) == ["sw"]
     assert plan_network(topo, "x", scale=0.5).host("b").rate_in == 50 * MBIT
+    # a scale that leaves no rate tc can shape is a user error, not an OverflowError from rounding
+    for scale in (float("inf"), 1e300, 1e12):
+        with pytest.raises(Error, match="scale"):
+            plan_network(topo, "x", scale=scale)
+    assert plan_network(topo, "x", scale=1e6).host("b").rate_in == pytest.approx(100e6 * MBIT)
 
 
 def test_host_addresses_extend_beyond_one_block():

@@ -15,6 +15,7 @@ The mapping (:func:`plan_network`) is pure and unit-testable; :class:`Cluster` e
 down again, recording its state on disk first so that a crashed run can still be cleaned up.
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 import networkx as nx
 
 from ..errors import Error
+from ..units import format_bandwidth
 
 STATE_ROOT = Path("/run/ddl-emulate")
 """Where clusters record themselves (tmpfs: a reboot, which also drops every namespace, clears it)."""
@@ -40,6 +42,8 @@ TBF_BURST_SECONDS = 1e-3
 resolution, so a 64 KiB bucket on a 1.6 Tbit/s link rounds to zero and would drop everything."""
 
 TBF_LATENCY = "20ms"
+# tc takes a rate in bits per second as a 64-bit number: a scaled link must stay below it.
+MAX_SHAPED_BITS = 2 ** 63
 """tbf queue length expressed as delay: enough for TCP to fill the link, small enough to stay fair."""
 
 MTU = 1500
@@ -194,8 +198,8 @@ def plan_network(topo, tag, scale=1.0, mtu=MTU):
     segment cannot carry: no hosts, a rank without a host, a host on several switches, host-to-host
     cables, switch loops, disconnected switches.
     """
-    if not scale > 0:
-        raise Error(f"bandwidth scale must be positive, got {scale}")
+    if not 0 < scale < math.inf:
+        raise Error(f"bandwidth scale must be a positive number, got {scale}")
     mtu = check_mtu(mtu)
     hosts = [v for v in topo.nodes if topo.kind(v) == "host"]
     if not hosts:
@@ -218,6 +222,11 @@ def plan_network(topo, tag, scale=1.0, mtu=MTU):
             port=f"h{i}" if sw is not None else None, rate_out=out_rate * scale, rate_in=in_rate * scale))
     uplinks = tuple(replace(u, rate_ab=u.rate_ab * scale, rate_ba=u.rate_ba * scale)
                     for u in _uplinks(topo, switches))
+    fastest = max([r for h in host_plans for r in (h.rate_out, h.rate_in)]
+                  + [r for u in uplinks for r in (u.rate_ab, u.rate_ba)], default=0.0)
+    if fastest * 8 >= MAX_SHAPED_BITS:
+        raise Error(f"bandwidth scale {scale} makes links faster than tc can shape (up to "
+                    f"{format_bandwidth(MAX_SHAPED_BITS / 8)}): give a smaller --scale")
     return NetworkPlan(name=topo.name, tag=tag, switch_netns=f"{tag}-sw", hosts=tuple(host_plans),
                        bridges=bridges, uplinks=uplinks, mtu=mtu)
 
