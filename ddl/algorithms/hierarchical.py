@@ -500,17 +500,24 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         chunks = pieces if collective != "allreduce" else -(-sum(held) // min(held))
         return wave_depth(nbytes, chunks, _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most)
 
-    def funnels(tiers, balanced, exchange=()):
-        """Whether leaders (see Leaders) load no link of ``topo`` more than a share per rank does, on
-        ``tiers``' stages: one-chunk schedules compared link by link (the bytes on a link do not depend
-        on the waves or the spans)."""
+    def funnels(tiers, balanced):
+        """The first stages (by ring ``()``, then exchanging ``(1,)`` where its groups have more than two
+        ranks) with which leaders (see Leaders) load no link of ``topo`` more than a share per rank does,
+        on ``tiers``' stages; none where leaders by ring already do. One-chunk schedules compared link by
+        link (the bytes on a link do not depend on the waves or the spans); a share per rank's once."""
         staged = stage_partitions(p, tiers)
         if collective != "allreduce" or max(len(g) for g in staged[0]) < 2:
-            return False
-        regular, leaders = (load_seconds(topo, hierarchical_schedule(
-            order, tiers, collective, span_pieces=1, exchange=ex, balanced=balanced, leaders=lead), 1 << 20)
-            for lead, ex in ((False, ()), (True, exchange)))
-        return leaders <= regular * (1 + 1e-9)
+            return ()
+
+        def load(leaders, exchange=()):
+            return load_seconds(topo, hierarchical_schedule(order, tiers, collective, span_pieces=1, exchange=exchange,
+                                                            balanced=balanced, leaders=leaders), 1 << 20)
+        regular, fits = load(False), []
+        for exchange in ((), (1,)) if max(len(g) for g in staged[0]) > 2 else ((),):
+            if load(True, exchange) > regular * (1 + 1e-9):
+                break
+            fits.append(exchange)
+        return fits
 
     tier_sets = _tier_sets(p, parts)
     most_ops = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
@@ -535,14 +542,15 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     def consider_leaders(tiers, balanced, caps):
         """Leaders on ``tiers``' stages, where they load no link more (see Leaders): with the most waves
         under each of ``caps``, then exchanging to the leaders with the fastest of those."""
-        if not funnels(tiers, balanced):
+        fits = funnels(tiers, balanced)
+        if not fits:
             return
 
         def lead(k, lift, exchange=()):      # replacing a share per rank takes the margin (see Leaders)
             return consider(tiers, k, lift, exchange, balanced, True,
                             margin=kept is not None and not kept[2].info["leaders"])
         fastest = min((lead(*kl), kl) for kl in sorted({depth(tiers, balanced, True, most) for most in caps}))
-        if max(len(g) for g in stage_partitions(p, tiers)[0]) > 2 and funnels(tiers, balanced, (1,)):
+        if (1,) in fits:
             lead(*fastest[1], (1,))
 
     if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
