@@ -573,14 +573,16 @@ def test_hierarchical_lag_lets_the_way_up_run_ahead():
     info = sched.info
     parts = [st["groups"] for st in info["stages"]][:-1]
     seconds = {}
-    for lag in (0, WAVE_LAG):
-        again = hierarchical_schedule(info["order"], parts, "allreduce", info["chunks_per_target"],
-                                      waves=info["waves"], ramped=True, lift=info["lift"], lag=lag)
-        verify(again)
-        assert sorted(again.programs[5]) == sorted(sched.programs[5])    # the same operations, reordered
-        seconds[lag] = simulate(topo, again, nbytes).seconds
+    for lead in (False, True):      # the lead (next wave's first blocks ahead) fills part of the same wait
+        for lag in (0, WAVE_LAG):
+            again = hierarchical_schedule(info["order"], parts, "allreduce", info["chunks_per_target"],
+                                          waves=info["waves"], ramped=True, lift=info["lift"], lag=lag, lead=lead)
+            verify(again)
+            assert sorted(again.programs[5]) == sorted(sched.programs[5])    # the same operations, reordered
+            seconds[lead, lag] = simulate(topo, again, nbytes).seconds
     bound = lower_bound(topo, "allreduce", nbytes).seconds
-    assert seconds[WAVE_LAG] <= 1.02 * bound < seconds[0]
+    assert seconds[False, WAVE_LAG] <= 1.02 * bound < seconds[False, 0]
+    assert seconds[True, WAVE_LAG] < (1 - 0.005) * seconds[True, 0]
 
 
 def test_hierarchical_exchange_inside_the_box():
@@ -631,6 +633,39 @@ def test_hierarchical_hands_the_top_stage_its_chunks_in_the_order_it_takes_them(
     assert not hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "allreduce",
                                      4, exchange=(2,)).info["handoff"]
 
+
+
+def test_hierarchical_leads_with_the_next_waves_first_blocks():
+    # 4 x 8 DGX A100 at 256 MiB: after a wave's first block a NIC waits a message's latency for its
+    # neighbour's sum of the second. Listing the next wave's first blocks ahead of this wave's later
+    # ones in the box's exchange has one ready to fill that wait: the same messages, reordered, and the
+    # NIC's first gap gone.
+    topo = Topology.load(ZOO / "dgx-a100-4x8.yaml")
+    nbytes = 256 << 20
+    sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
+    info = sched.info
+    assert info["lead"] and info["handoff"]
+    verify(sched)
+    behind = hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "allreduce",
+                                   info["chunks_per_target"], waves=info["waves"], ramped=True, lift=info["lift"],
+                                   lag=WAVE_LAG, exchange=info["exchange_stages"], split=True, lead=False)
+    assert not behind.info["lead"] and behind.nops == sched.nops
+    assert sorted(map(sorted, sched.programs)) == sorted(map(sorted, behind.programs))   # reordered only
+    nic = ("dgx0/gpu0", "dgx0/pcie0")
+    led, waited = (simulate(topo, s, nbytes, trace=[nic]) for s in (sched, behind))
+
+    def gaps(sim):          # idle stretches between the NIC's first and last bytes
+        spans = sim.timeline[nic]
+        return [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] - a[1] > 1e-7]
+    assert max(gaps(waited)) > 8e-6 > max(gaps(led) or [0])
+    assert led.seconds < (1 - 0.004) * waited.seconds
+    assert led.seconds <= 1.02 * lower_bound(topo, "allreduce", nbytes).seconds
+    # only an allreduce of two stages leads: three stages go in parts, a reduce-scatter has no lag
+    three = hierarchical_schedule(list(range(8)), [[[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]]],
+                                  "allreduce", 4, waves=4, ramped=True, lag=WAVE_LAG)
+    assert three.info["handoff"] and not three.info["lead"]
+    assert not hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "reduce_scatter",
+                                     4, waves=4).info["lead"]
 
 def test_hierarchical_split_waves():
     # 32 ranks in three tiers at 256 MiB: the four GPUs of a host share its NIC, so a whole wave's
@@ -711,8 +746,10 @@ def test_hierarchical_equal_shares_for_unequal_racks():
 @settings(max_examples=60, deadline=None)
 @given(racks=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=2, max_size=3),
        k=st.integers(1, 3), lag=st.integers(0, 2), exchange=st.sampled_from([(), (1,), (2,)]),
-       split=st.booleans(), balanced=st.booleans(), leaders=st.booleans(), handoff=st.booleans())
-def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, split, balanced, leaders, handoff):
+       split=st.booleans(), balanced=st.booleans(), leaders=st.booleans(), handoff=st.booleans(),
+       lead=st.booleans(), hosts_only=st.booleans())
+def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, split, balanced, leaders, handoff, lead,
+                                                     hosts_only):
     # racks of hosts of ranks, all of any sizes: every option of the allreduce gives a correct schedule,
     # its chunks sized by the ramp and the targets' shares
     hosts, rack_groups, r = [], [], 0
@@ -722,17 +759,19 @@ def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, spl
             hosts.append(list(range(r, r + size)))
             rack_groups[-1].extend(hosts[-1])
             r += size
-    sched = hierarchical_schedule(list(range(r)), [hosts, rack_groups], "allreduce", k, waves=k, ramped=True, lag=lag,
+    tiers = [hosts] if hosts_only else [hosts, rack_groups]      # two stages, or three
+    sched = hierarchical_schedule(list(range(r)), tiers, "allreduce", k, waves=k, ramped=True, lag=lag,
                                   exchange=exchange, split=split, balanced=balanced, leaders=leaders,
-                                  handoff=handoff)
+                                  handoff=handoff, lead=lead)
     verify(sched)
-    stages = stage_partitions(r, [hosts, rack_groups])
+    stages = stage_partitions(r, tiers)
     shares = share_weights(r, stages) if balanced else (1,) * r
     if leaders:                             # the first rank of every host holds its host's shares
         shares = leader_shares(shares, stages[0], {t: t for t in range(r)})
         assert [t for t in range(r) if shares[t]] == [g[0] for g in stages[0]]
         assert sum(shares) == (sum(share_weights(r, stages)) if balanced else r)
     assert sched.info["wave_parts"] > 1 or not split or len(stages) < 3 or r < 2
+    assert sched.info["lead"] == (lead and sched.info["handoff"] and len(stages) == 2)
     if len(stages) > 1:                     # with equal shares, every group below the top holds as much
         held = {sum(share_weights(r, stages)[t] for t in g) for g in stages[-2]}
         assert len(held) == 1
