@@ -1,10 +1,16 @@
 """Tests of ddl.emulate: the topology -> network mapping (no root needed) and, as root with iproute2,
 a real two-host cluster: built, self-checked, used for an MPI Allreduce, torn down without a trace."""
+import fcntl
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +20,7 @@ from ddl.emulate.netns import Cluster, plan_network
 from ddl.topology import Topology
 
 MBIT = 1e6 / 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def two_rack(interleaved=False):
@@ -171,6 +178,160 @@ def test_single_host_needs_no_switch():
     assert plan.hosts[0].switch is None and not plan.bridges and plan.namespaces == ("ddl-7-h0",)
 
 
+def test_rates_below_what_tc_can_shape_are_refused():
+    """tc's floor is 8 kbit/s: a slower link is a one-line error naming it, not quietly run faster."""
+    with pytest.raises(Error, match=r"link host 'n0' -> switch 'sw' would run at 250 B/s \(bandwidth scale "
+                                    r"1e-05\), below the 8 kbit/s tc can shape"):
+        plan_network(small("slow"), "x", scale=1e-5)          # 200 Mbit/s -> 2 kbit/s
+    with pytest.raises(Error, match=r"link switch '\w+' -> switch '\w+' would run at 250 B/s"):
+        plan_network(two_rack(), "x", scale=2e-5)             # NICs 1000 B/s still go, uplinks do not
+    plan = plan_network(small("slow"), "x", scale=6e-5)       # 1500 B/s: 12.5 kbit/s shaped
+    assert netns.shaped_bits(plan.hosts[0].rate_out, plan.mtu) >= netns.MIN_SHAPED_BITS
+
+
+def test_state_folders_of_different_names_differ():
+    """Sanitising a name for a path maps several names to one folder; ``down`` of one would then take
+    down the other. Each name gets its own folder, one path component under the state root."""
+    names = ["a b", "a_b", "a/b", "a:b", ".a_b", "a_b.", "", ".", "..", "ä_b"]
+    dirs = [netns.state_dir_for(n) for n in names]
+    assert len(set(dirs)) == len(names)
+    assert all(d.parent == netns.STATE_ROOT and d.name not in ("", ".", "..") for d in dirs)
+    assert netns.state_dir_for("a b") == netns.state_dir_for("a b")
+
+
+class _FakeCluster:
+    """Stands in for a built cluster: `ddl emulate run`'s argument handling is tested without root."""
+
+    def __init__(self, record, scale, mtu):
+        record.update(scale=scale, mtu=mtu, built=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def fake_run(monkeypatch):
+    """``ddl emulate run`` with building, checking and launching replaced by recorders."""
+    from ddl.cli import emulate as cli
+    record = {}
+    monkeypatch.setattr(netns.Cluster, "create",
+                        classmethod(lambda cls, topo, scale=1.0, mtu=1500: _FakeCluster(record, scale, mtu)))
+    monkeypatch.setattr(cli, "_check", lambda *a: record.update(checked=True))
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "mpiexec")
+
+    def run(cluster, argv, placement, env=None, timeout=None, **kw):
+        record.update(cmd=list(argv), timeout=timeout)
+        return subprocess.CompletedProcess(argv, 0)
+    monkeypatch.setattr(launch, "run", run)
+    return record
+
+
+def test_run_reads_its_options_after_file_up_to_the_command(fake_run, tmp_path, capsys):
+    """``run FILE --scale 0.5 hostname`` scales (it used to hand ``--scale 0.5`` to mpiexec); words
+    from the command's first word on, ``--`` included, are the command's."""
+    from ddl.cli import main
+    path = tmp_path / "small.json"
+    small("opts").dump(path)
+    assert main(["emulate", "run", str(path), "--scale", "0.5", "--no-check", "--timeout=9", "hostname",
+                 "--scale", "2"]) == 0
+    assert fake_run == {"scale": 0.5, "mtu": 1500, "built": True, "cmd": ["hostname", "--scale", "2"],
+                        "timeout": 9.0}
+    fake_run.clear()
+    assert main(["emulate", "run", "--mtu", "9000", str(path), "--no-check", "--", "-x", "prog", "--", "y"]) == 0
+    assert fake_run["cmd"] == ["-x", "prog", "--", "y"] and fake_run["mtu"] == "9000"
+    fake_run.clear()
+    assert main(["emulate", "run", str(path), "prog", "--", "--no-check"]) == 0
+    assert fake_run["cmd"] == ["prog", "--", "--no-check"] and fake_run["checked"]
+    capsys.readouterr()
+    for args, words in ((["--bogus", "prog"], "unknown option --bogus before the command"),
+                        (["-np", "2", "prog"], "unknown option -np before the command"),
+                        (["--scale", "x", "prog"], "argument --scale: invalid float value: 'x'"),
+                        (["--timeout"], "argument --timeout: expected one argument")):
+        fake_run.clear()
+        assert main(["emulate", "run", str(path), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ddl: error: ") and words in err and err.count("\n") == 1, err
+        assert "built" not in fake_run
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_run_refuses_a_timeout_that_is_not_a_positive_number(value, fake_run, tmp_path, capsys):
+    from ddl.cli import main
+    path = tmp_path / "small.json"
+    small("timeout").dump(path)
+    for args in (["--timeout", value, str(path), "--", "true"], [str(path), f"--timeout={value}", "true"]):
+        assert main(["emulate", "run", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ddl: error: --timeout must be a positive number of seconds") and \
+            err.count("\n") == 1, err
+        assert "built" not in fake_run
+
+
+def test_stopping_a_job_is_bounded_when_an_interrupt_left_the_wait_lock_held(monkeypatch):
+    """A second Ctrl-C landing inside subprocess's own wait can leave its lock held; every later
+    unbounded ``wait()`` then hangs, and ``ddl emulate run`` with it, cluster up. ``_stop`` must
+    return anyway, having killed the job (the teardown then ends what is left in the namespaces)."""
+    # raising=False: before the fix the grace was a fixed 5 s, and this test is to show that code
+    # hanging, not failing on a missing name
+    monkeypatch.setattr(launch, "STOP_GRACE", 0.3, raising=False)
+    proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"          # SIGTERM is ignored from here on
+    assert proc._waitpid_lock.acquire(timeout=5)        # what the interrupted wait left behind
+    stopper = threading.Thread(target=launch._stop, args=(proc,), daemon=True)
+    try:
+        stopper.start()
+        stopper.join(timeout=20)
+        returned = not stopper.is_alive()
+    finally:
+        proc._waitpid_lock.release()
+    assert proc.wait(timeout=10) == -signal.SIGKILL    # it ignored SIGTERM, so it was killed
+    proc.stdout.close()
+    stopper.join(timeout=10)
+    assert returned, "_stop hung on the held wait lock"
+
+
+BENCH_JOB = textwrap.dedent("""
+    import pathlib, signal, sys, time
+    out = pathlib.Path(sys.argv[1])
+    def teardown(signum, frame):
+        (out / "signalled").write_text(str(signum))
+        time.sleep(1.5)                                   # a teardown takes a while
+        (out / "torn-down").touch()
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, teardown)
+    signal.signal(signal.SIGHUP, teardown)
+    (out / "ready").touch()
+    time.sleep(30)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.timeout(60)
+def test_bench_passes_sigterm_and_sighup_on_to_its_job_and_waits_for_it(sig, tmp_path):
+    """``ddl bench --emulate`` runs ``ddl emulate run`` as a child: when the bench is told to end, the
+    child must be told too and be given time to tear its cluster down, not be orphaned with it up."""
+    job = tmp_path / "job.py"
+    job.write_text(BENCH_JOB)
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from ddl.cli.bench import _child; "
+                               f"sys.exit(_child([sys.executable, {str(job)!r}, {str(tmp_path)!r}]))"],
+                              cwd=ROOT, env=_env())
+    try:
+        assert _wait_for(lambda: (tmp_path / "ready").exists(), 30), "the job never started"
+        parent.send_signal(sig)
+        status = parent.wait(timeout=30)
+        torn_down = (tmp_path / "torn-down").exists()
+    finally:
+        parent.kill()
+        parent.wait()
+    assert (tmp_path / "signalled").exists() and (tmp_path / "signalled").read_text() == str(int(sig))
+    assert torn_down, "the bench ended before its job had finished tearing down"
+    assert status == 128 + sig
+
+
 def test_cli_refuses_without_root_or_tools(monkeypatch, tmp_path, capsys):
     from ddl.cli import main
     path = tmp_path / "small.json"
@@ -268,3 +429,210 @@ def test_cli_run_tears_down_after_failure(tmp_path):
     assert rc != 0
     assert set(netns.list_namespaces()) <= before
     assert not netns.state_dir_for(topo.name).exists()
+
+
+def _env():
+    """The environment of a ``python -m ddl`` child: this checkout's ddl first."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def _ddl(err, *args, **kw):
+    """Start ``ddl ARGS``, its stderr to file ``err``: not a pipe, which a child it failed to end
+    would hold open, and a test would wait on."""
+    with open(err, "w") as stream:
+        return subprocess.Popen([sys.executable, "-m", "ddl", *args], cwd=ROOT, env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=stream, **kw)
+
+
+def _wait_for(predicate, timeout, every=0.05):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
+def _recorded_tag(state):
+    """The namespace tag in a cluster's state file, once it is written (None before)."""
+    try:
+        return json.loads((state / "state.json").read_text())["plan"]["tag"]
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _clean(name, state, tag=None):
+    """Remove what a test's cluster may have left (only a failing test leaves anything): through its
+    record if that is still there, else by its namespace tag."""
+    if (state / "state.json").exists():
+        tag = tag or _recorded_tag(state)
+        subprocess.run([sys.executable, "-m", "ddl", "emulate", "down", name], cwd=ROOT, env=_env(),
+                       capture_output=True, timeout=60)
+    for ns in netns.list_namespaces() if tag else ():
+        if ns.startswith(tag + "-"):
+            netns._end_processes(ns)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    for uts in state.glob("uts/*"):
+        subprocess.run(["umount", str(uts)], capture_output=True, timeout=30)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def _cluster_file(tmp_path, what, **kw):
+    topo = small(f"ddl-test-{what}-{os.getpid()}", **kw)
+    path = tmp_path / "topo.json"
+    topo.dump(path)
+    return topo.name, str(path), netns.state_dir_for(topo.name)
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_cli_sigterm_during_up_removes_what_was_built(tmp_path):
+    """SIGTERM while ``up`` builds or checks is handled as Ctrl-C is: what was built is removed, and the
+    exit status says SIGTERM (143)."""
+    name, path, state = _cluster_file(tmp_path, "up-term")
+    err, tag = tmp_path / "stderr", None
+    proc = _ddl(err, "emulate", "up", path)
+    try:
+        assert _wait_for(lambda: _recorded_tag(state) or proc.poll() is not None, 30)
+        tag = _recorded_tag(state)
+        assert tag and proc.poll() is None, "up ended before it could be interrupted"
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+        assert status == 143 and "ddl: interrupted by SIGTERM" in err.read_text(), (status, err.read_text())
+        assert _leftovers(tag, state) == ([], False)
+    finally:
+        proc.kill()
+        proc.wait()
+        _clean(name, state, tag)
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_cli_run_sigterm_tears_down_and_exits_143(tmp_path):
+    """SIGTERM to ``run`` while CMD runs: torn down, and the exit status is 128 + 15 (it was Ctrl-C's 130)."""
+    name, path, state = _cluster_file(tmp_path, "run-term", per_host=1)
+    mark, err, tag = tmp_path / "running", tmp_path / "stderr", None
+    proc = _ddl(err, "emulate", "run", path, "--no-check", "--", "sh", "-c", f"touch {mark}; exec sleep 60")
+    try:
+        assert _wait_for(lambda: mark.exists() or proc.poll() is not None, 60), "CMD never started"
+        tag = _recorded_tag(state)
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=60)
+        assert status == 143 and "ddl: interrupted by SIGTERM" in err.read_text(), (status, err.read_text())
+        assert _leftovers(tag, state) == ([], False)
+    finally:
+        proc.kill()
+        proc.wait()
+        _clean(name, state, tag)
+
+
+STRAGGLER = textwrap.dedent("""
+    import pathlib, signal, sys, time
+    mark = pathlib.Path(sys.argv[1])
+    signal.signal(signal.SIGTERM, lambda *a: mark.touch())    # outlives SIGTERM: teardown must SIGKILL
+    mark.with_suffix(".started").touch()
+    while True:
+        time.sleep(0.1)
+""")
+
+
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.timeout(90)
+def test_teardown_finishes_through_signals_to_its_process_group(sig, tmp_path):
+    """Signals to ``down``'s process group while it tears down (a terminal's Ctrl-C, pressed again and
+    again; ``kill -TERM -PGID``) wait for the teardown: the namespaces, their processes and the state
+    folder all go, then the process ends as the signal says (128 + N). The teardown's own ``ip``
+    commands must not die of them either: a killed ``ip netns pids`` finds no process to end."""
+    name, path, state = _cluster_file(tmp_path, f"down-{int(sig)}", per_host=1)
+    up = subprocess.run([sys.executable, "-m", "ddl", "emulate", "up", "--no-check", path], cwd=ROOT,
+                        env=_env(), capture_output=True, text=True, timeout=60)
+    straggler = down = cluster = None
+    try:
+        assert up.returncode == 0, up.stderr
+        cluster = Cluster.load(state)
+        script, mark = tmp_path / "straggler.py", tmp_path / "straggler"
+        script.write_text(STRAGGLER)
+        straggler = subprocess.Popen(cluster.host_argv("n0", [sys.executable, str(script), str(mark)]))
+        assert _wait_for(mark.with_suffix(".started").exists, 30)
+        err = tmp_path / "stderr"
+        down = _ddl(err, "emulate", "down", name, start_new_session=True)
+        assert _wait_for(lambda: mark.exists() or down.poll() is not None, 30)
+        assert down.poll() is None, "down ended before it met the straggler"
+        deadline = time.monotonic() + 10     # the teardown SIGKILLs the straggler 2 s after its SIGTERM
+        while down.poll() is None and time.monotonic() < deadline:
+            try:
+                os.killpg(down.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(0.002)
+        status = down.wait(timeout=60)
+        # 128 + N as it says, or ended by one that came after the teardown, when it was leaving anyway
+        assert status in (128 + sig, -sig), (status, err.read_text())
+        assert "could not delete" not in err.read_text()
+        assert straggler.wait(timeout=10) == -signal.SIGKILL
+        assert _leftovers(cluster.plan.tag, state) == ([], False)
+    finally:
+        for proc in (down, straggler):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        _clean(name, state, cluster.plan.tag if cluster else None)
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_a_second_up_of_a_cluster_being_built_is_refused(tmp_path):
+    """Two ``up``s of one file at once: the second must not take the first's half-written record for a
+    stale one and tear it down. The lock held here stands for the first ``up``, still building."""
+    name, path, state = _cluster_file(tmp_path, "lock", per_host=1)
+    before = set(netns.list_namespaces())
+    state.mkdir(parents=True, exist_ok=True)
+    holder = open(state / "lock", "a+")
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        second = subprocess.run([sys.executable, "-m", "ddl", "emulate", "up", "--no-check", path], cwd=ROOT,
+                                env=_env(), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert second.stderr.startswith(f"ddl: error: emulated cluster {name!r} is being built, run or "
+                                        "removed by another process") and second.stderr.count("\n") == 1
+        assert set(netns.list_namespaces()) == before
+        holder.close()                       # the first one is done: now it goes
+        again = subprocess.run([sys.executable, "-m", "ddl", "emulate", "up", "--no-check", path], cwd=ROOT,
+                               env=_env(), capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0, again.stderr
+        down = subprocess.run([sys.executable, "-m", "ddl", "emulate", "down", path], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert down.returncode == 0, down.stderr
+        assert set(netns.list_namespaces()) == before and not state.exists()
+    finally:
+        holder.close()
+        _clean(name, state)
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_sigterm_to_bench_emulate_tears_the_cluster_down(tmp_path):
+    """``ddl bench FILE --emulate`` told to end must not leave its ``ddl emulate run`` child, and the
+    cluster, behind: by the time it has exited the cluster is gone."""
+    name, path, state = _cluster_file(tmp_path, "bench-term", per_host=1)
+    env = dict(_env(), DDL_CACHE_DIR=str(tmp_path / "plans"))
+    err, tag = tmp_path / "stderr", None
+    with open(err, "w") as stream:           # a file, not a pipe: an orphaned child would hold a pipe open
+        bench = subprocess.Popen([sys.executable, "-m", "ddl", "bench", path, "--emulate", "--no-rate-check",
+                                  "--bytes", "8", "--iters", "20000", "--peers", "none", "--no-progress"],
+                                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stream)
+    try:
+        assert _wait_for(lambda: _recorded_tag(state) or bench.poll() is not None, 60)
+        tag = _recorded_tag(state)
+        assert tag and bench.poll() is None, err.read_text()
+        time.sleep(1)                        # into the run, most likely
+        bench.send_signal(signal.SIGTERM)
+        status = bench.wait(timeout=90)
+        assert status == 143, (status, err.read_text()[-2000:])
+        assert _leftovers(tag, state) == ([], False)
+    finally:
+        bench.kill()
+        bench.wait()
+        _wait_for(lambda: not state.exists(), 60)       # an orphaned child ends its run
+        _clean(name, state, tag)

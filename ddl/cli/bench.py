@@ -14,6 +14,7 @@ Where it runs:
   on this machine (and says so).
 """
 import os
+import signal
 import subprocess
 import sys
 
@@ -222,16 +223,46 @@ def _relaunch_emulated(opts, no_rate_check, mtu=None):
     return _child(cmd)
 
 
+CHILD_GRACE = 60.0
+"""Seconds a relaunched job gets to end once this process is interrupted: enough for ``ddl emulate run``
+to tear its cluster down (a few seconds), bounded so that a hung job cannot hold this process."""
+
+
 def _child(cmd):
+    """Run ``cmd`` (mpiexec, or ``ddl emulate run``) and return its exit status, as a shell gives it.
+
+    Ending this process ends the job, and lets it finish: an ``emulate run`` left running keeps its
+    cluster up, one killed while tearing down leaves half of it. SIGTERM and SIGHUP are passed on to it,
+    Ctrl-C (which the terminal sends it too) is followed by SIGTERM; either way it gets CHILD_GRACE
+    seconds before it is killed, and this process then ends as the signal says (143 for SIGTERM).
+    """
+    from .emulate import signals_as_interrupt
     proc = subprocess.Popen(cmd)
+    caught = signals_as_interrupt()
     try:
-        status = proc.wait()
+        with caught:
+            status = proc.wait()
         return 128 - status if status < 0 else status   # killed by signal N: 128 + N, as a shell says
     except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        raise
+        proc.send_signal(caught.signum or signal.SIGTERM)
+        _wait_or_kill(proc)
+        if caught.signum is None:
+            raise
+        return 128 + caught.signum
+
+
+def _wait_or_kill(proc):
+    """Give the job CHILD_GRACE seconds to end, then kill it; every wait bounded (see ``launch._stop``)."""
+    try:
+        proc.wait(timeout=CHILD_GRACE)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    print(f"ddl bench: the launched job did not end {CHILD_GRACE:.0f} s after the signal and was killed "
+          "(an emulated cluster may be left up: remove it with `ddl emulate down FILE`)",
+          file=sys.stderr, flush=True)
+    proc.kill()
+    try:
+        proc.wait(timeout=CHILD_GRACE)
+    except subprocess.TimeoutExpired:
+        pass

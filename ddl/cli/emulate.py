@@ -1,20 +1,23 @@
 """``ddl emulate``: bring a topology file to life on this machine and run MPI programs on it.
 
 * ``ddl emulate up FILE`` builds the cluster (a namespace per host, a bridge per switch, shaped veths),
-  checks the link rates, records it under /run/ddl-emulate/<name>/ and prints how to enter each host;
+  checks the link rates, records it under /run/ddl-emulate/<name>-<hash>/ and prints how to enter each host;
 * ``ddl emulate down FILE`` (or the cluster's name) ends its processes and removes it;
 * ``ddl emulate run FILE [--no-check] -- CMD...`` builds, checks, runs CMD under ``mpiexec`` with ranks
-  placed as the file's ``ranks`` say, and always tears down: on success, error, Ctrl-C or SIGTERM.
-  The exit status is CMD's.
+  placed as the file's ``ranks`` say, and always tears down: on success, error, Ctrl-C, SIGTERM or
+  SIGHUP. The exit status is CMD's (128 + N when ended by signal N).
 
 Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and MPICH (the mpich wheel). Links faster
 than this machine can push (tens of Gbit/s) cannot be emulated as such: ``--scale 0.001`` shrinks every
 bandwidth by the same factor, which keeps the topology's bottlenecks where they are.
 """
 import argparse
+import functools
+import math
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import Error
@@ -32,26 +35,33 @@ def register(subparsers):
 
     p = sub.add_parser("up", help="build the emulated cluster and leave it up",
                        description="Build the cluster of FILE, check its link rates and record it "
-                                   "so that `ddl emulate down FILE` can remove it.")
+                                   "so that `ddl emulate down FILE` can remove it. Interrupted (Ctrl-C, "
+                                   "SIGTERM, SIGHUP), it removes what it built.")
     _common(p)
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func=_ending_on_signals(cmd_up))
 
     p = sub.add_parser("down", help="remove an emulated cluster",
                        description="End the processes of the cluster built from FILE (or named NAME) "
                                    "and remove its namespaces.")
     p.add_argument("file", metavar="FILE", help="topology file, or the cluster's name")
-    p.set_defaults(func=cmd_down)
+    p.set_defaults(func=_ending_on_signals(cmd_down))
 
     p = sub.add_parser("run", help="build, check, run CMD under mpiexec, tear down",
+                       usage="%(prog)s [OPTIONS] FILE [OPTIONS] [--] CMD...",
                        description="Build the cluster of FILE, check its link rates, run CMD on every "
                                    "rank under mpiexec (rank i on the host of ranks[i]), then tear the "
-                                   "cluster down whatever happens. Exit status: CMD's. CMD sees "
-                                   "DDL_TOPOLOGY (the file) and DDL_EMULATED_HOSTS.")
+                                   "cluster down whatever happens. Exit status: CMD's (128 + N if ended "
+                                   "by signal N). CMD sees DDL_TOPOLOGY (the file) and DDL_EMULATED_HOSTS.",
+                       epilog="The options above may also follow FILE: they are read up to `--` or to "
+                              "the first word that is not one of them, and CMD is the rest, so in "
+                              "`run FILE --scale 0.5 python x.py --scale 2` the first --scale is ddl's "
+                              "and the second x.py's. Any other option there is refused: words for "
+                              "mpiexec, or a CMD that starts with an option, go after `--`.")
     _common(p)
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="stop CMD after S seconds (default: no limit)")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the MPI program")
-    p.set_defaults(func=cmd_run)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD", help="the MPI program and its arguments")
+    p.set_defaults(func=_ending_on_signals(cmd_run))
 
 
 def _common(p):
@@ -72,6 +82,23 @@ def _usage(parser):
 def _load(path):
     from ..topology import Topology
     return Topology.load(path)
+
+
+def _ending_on_signals(command):
+    """Run ``command`` with SIGTERM and SIGHUP raising KeyboardInterrupt as Ctrl-C does, so a cluster
+    being built, run or removed is torn down for them too; exit then with 128 + the signal's number,
+    as a shell reports a process ended by it (143 for SIGTERM; Ctrl-C's 130 is the caller's)."""
+    @functools.wraps(command)
+    def run(args):
+        with signals_as_interrupt() as caught:
+            try:
+                return command(args)
+            except KeyboardInterrupt:
+                if caught.signum is None:
+                    raise
+        print(f"ddl: interrupted by {signal.Signals(caught.signum).name}", file=sys.stderr)
+        return 128 + caught.signum
+    return run
 
 
 def cmd_up(args):
@@ -115,35 +142,44 @@ def cmd_run(args):
     if not cmd:
         raise Error("nothing to run: give the command after --, e.g. "
                     "ddl emulate run FILE -- python train.py")
+    if args.timeout is not None and not 0 < args.timeout < math.inf:
+        raise Error(f"--timeout must be a positive number of seconds, got {args.timeout:g} "
+                    "(leave it out for no limit)")
     topo = _load(args.file)
     launch.find_mpiexec()
-    with _signals_as_interrupt():
-        cluster = Cluster.create(topo, scale=args.scale, mtu=args.mtu)
-        with cluster:
-            if not args.no_check:
-                _check(cluster, topo, sys.stderr)
-            env = {"DDL_TOPOLOGY": os.path.abspath(args.file)}
-            res = launch.run(cluster, cmd, launch.rank_hosts(topo), env=env, timeout=args.timeout)
+    with Cluster.create(topo, scale=args.scale, mtu=args.mtu) as cluster:
+        if not args.no_check:
+            _check(cluster, topo, sys.stderr)
+        env = {"DDL_TOPOLOGY": os.path.abspath(args.file)}
+        res = launch.run(cluster, cmd, launch.rank_hosts(topo), env=env, timeout=args.timeout)
     return res.returncode
 
 
 def _split_command(args):
-    """CMD after ``--``; options written between FILE and ``--`` (argparse leaves them there) applied."""
-    words = list(args.cmd)
-    if "--" not in words:
-        return words
-    cut = words.index("--")
-    if cut:
-        late = argparse.ArgumentParser(prog="ddl emulate run", add_help=False)
-        late.add_argument("--no-check", action="store_true", default=args.no_check)
-        late.add_argument("--scale", type=float, default=args.scale)
-        late.add_argument("--mtu", default=args.mtu)
-        late.add_argument("--timeout", type=float, default=args.timeout)
-        opts, unknown = late.parse_known_args(words[:cut])
-        if unknown:
-            raise Error(f"unknown option(s) before --: {' '.join(unknown)}")
-        vars(args).update(vars(opts))
-    return words[cut + 1:]
+    """CMD, with ddl's options written after FILE applied (argparse leaves them in ``args.cmd``).
+
+    They are read up to ``--`` or to the first word that is none of them, as ``env`` and ``timeout``
+    read theirs: ``run FILE --scale 0.5 hostname`` scales, ``run FILE prog --scale 2`` passes
+    ``--scale 2`` to prog. An unknown option there is refused rather than handed to mpiexec (which
+    would take ``--scal 0.5`` for its own and fail far from the typo); mpiexec's go after ``--``.
+    """
+    late = argparse.ArgumentParser(prog="ddl emulate run", add_help=False, exit_on_error=False)
+    late.add_argument("--no-check", action="store_true", default=args.no_check)
+    late.add_argument("--scale", type=float, default=args.scale)
+    late.add_argument("--mtu", default=args.mtu)
+    late.add_argument("--timeout", type=float, default=args.timeout)
+    late.add_argument("cmd", nargs=argparse.REMAINDER)
+    try:
+        opts, unknown = late.parse_known_args(args.cmd)
+    except argparse.ArgumentError as exc:
+        raise Error(str(exc)) from None
+    if unknown:
+        raise Error(f"unknown option {unknown[0]} before the command: ddl emulate run takes --no-check, "
+                    "--scale, --mtu and --timeout there; put options meant for mpiexec or the command "
+                    "after --, e.g. ddl emulate run FILE -- CMD ...")
+    cmd = opts.cmd[1:] if opts.cmd[:1] == ["--"] else opts.cmd
+    vars(args).update({k: v for k, v in vars(opts).items() if k != "cmd"})
+    return cmd
 
 
 def _check(cluster, topo, out):
@@ -168,13 +204,19 @@ def _describe(cluster, out):
         print(f"  run CMD on {plan.hosts[0].id}: {enter}", file=out)
 
 
-class _signals_as_interrupt:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, so teardown runs as it does for Ctrl-C."""
+class signals_as_interrupt:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, so teardown runs as it does for Ctrl-C; ``signum``
+    says which came (None: none did). A plain KeyboardInterrupt, not a subclass: subprocess bounds its
+    waits on the way out for exactly that type, and waits without limit for any other. Only the main
+    thread can set signal handlers; elsewhere this does nothing."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
     def __enter__(self):
-        self.saved = {s: signal.signal(s, self._raise) for s in self.SIGNALS}
+        self.signum = None
+        self.saved = {}
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {s: signal.signal(s, self._raise) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc):
@@ -182,6 +224,6 @@ class _signals_as_interrupt:
             signal.signal(s, handler)
         return False
 
-    @staticmethod
-    def _raise(signum, frame):
+    def _raise(self, signum, frame):
+        self.signum = signum
         raise KeyboardInterrupt(f"signal {signum}")

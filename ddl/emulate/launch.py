@@ -152,12 +152,23 @@ def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=Non
     return subprocess.CompletedProcess(full, proc.returncode, out, err)
 
 
+STOP_GRACE = 5.0
+"""Seconds mpiexec gets to end after SIGTERM, and again after SIGKILL, before :func:`_stop` moves on."""
+
+
 def _stop(proc):
-    """End mpiexec (it then ends its proxies and ranks); the cluster teardown catches stragglers."""
-    if proc.poll() is None:
-        proc.terminate()
+    """End mpiexec (it then ends its proxies and ranks); the cluster teardown catches stragglers.
+
+    Every wait is bounded: a second Ctrl-C that lands inside subprocess's own wait can leave that wait's
+    lock held, and an unbounded ``wait()`` then never returns, so the teardown, which ends whatever is
+    still running in the namespaces by PID, would never run.
+    """
+    for send in (proc.terminate, proc.kill):
+        if proc.poll() is not None:
+            return
+        send()
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=STOP_GRACE)
+            return
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass

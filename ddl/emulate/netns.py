@@ -14,6 +14,8 @@ Why this shape (see the project's emulation notes for the measurements behind it
 The mapping (:func:`plan_network`) is pure and unit-testable; :class:`Cluster` executes it and tears it
 down again, recording its state on disk first so that a crashed run can still be cleaned up.
 """
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -42,9 +44,11 @@ TBF_BURST_SECONDS = 1e-3
 resolution, so a 64 KiB bucket on a 1.6 Tbit/s link rounds to zero and would drop everything."""
 
 TBF_LATENCY = "20ms"
+"""tbf queue length expressed as delay: enough for TCP to fill the link, small enough to stay fair."""
 # tc takes a rate in bits per second as a 64-bit number: a scaled link must stay below it.
 MAX_SHAPED_BITS = 2 ** 63
-"""tbf queue length expressed as delay: enough for TCP to fill the link, small enough to stay fair."""
+MIN_SHAPED_BITS = 8000
+"""tc's smallest rate (8 kbit/s): a slower link is refused, not quietly run faster than the file says."""
 
 MTU = 1500
 """Default frame size of the emulated links (Ethernet's). ``mtu=9000`` gives the jumbo frames many
@@ -222,13 +226,33 @@ def plan_network(topo, tag, scale=1.0, mtu=MTU):
             port=f"h{i}" if sw is not None else None, rate_out=out_rate * scale, rate_in=in_rate * scale))
     uplinks = tuple(replace(u, rate_ab=u.rate_ab * scale, rate_ba=u.rate_ba * scale)
                     for u in _uplinks(topo, switches))
-    fastest = max([r for h in host_plans for r in (h.rate_out, h.rate_in)]
-                  + [r for u in uplinks for r in (u.rate_ab, u.rate_ba)], default=0.0)
-    if fastest * 8 >= MAX_SHAPED_BITS:
-        raise Error(f"bandwidth scale {scale} makes links faster than tc can shape (up to "
-                    f"{format_bandwidth(MAX_SHAPED_BITS / 8)}): give a smaller --scale")
+    _check_shapeable(host_plans, uplinks, scale, mtu)
     return NetworkPlan(name=topo.name, tag=tag, switch_netns=f"{tag}-sw", hosts=tuple(host_plans),
                        bridges=bridges, uplinks=uplinks, mtu=mtu)
+
+
+def _check_shapeable(host_plans, uplinks, scale, mtu):
+    """Every direction of every link must get a rate tc can set, or the emulated cluster would not be
+    the file's: refuse one faster than tc's 64-bit rate or slower than its 8 kbit/s floor."""
+    links = [(f"host {h.id!r} -> switch {h.switch!r}", h.rate_out) for h in host_plans if h.switch]
+    links += [(f"switch {h.switch!r} -> host {h.id!r}", h.rate_in) for h in host_plans if h.switch]
+    links += [(f"switch {a!r} -> switch {b!r}", rate) for u in uplinks
+              for a, b, rate in ((u.a, u.b, u.rate_ab), (u.b, u.a, u.rate_ba))]
+    if not links:
+        return
+    if max(rate for _, rate in links) * 8 >= MAX_SHAPED_BITS:
+        raise Error(f"bandwidth scale {scale} makes links faster than tc can shape (up to "
+                    f"{format_bandwidth(MAX_SHAPED_BITS / 8)}): give a smaller --scale")
+    where, rate = min(links, key=lambda link: link[1])
+    if shaped_bits(rate, mtu) < MIN_SHAPED_BITS:
+        scaled = f" (bandwidth scale {scale:g})" if scale != 1 else ""
+        raise Error(f"link {where} would run at {format_bandwidth(rate)}{scaled}, below the 8 kbit/s "
+                    "tc can shape: give it more bandwidth or a larger --scale")
+
+
+def shaped_bits(rate, mtu):
+    """The tbf rate (bit/s) that delivers ``rate`` bytes/s of TCP goodput over frames of ``mtu`` bytes."""
+    return int(round(rate / goodput(mtu) * 8))
 
 
 def _check_ranks_have_hosts(topo):
@@ -386,8 +410,12 @@ def list_namespaces():
 # ----------------------------------------------------------------------------------------------------
 
 def state_dir_for(name):
-    """Directory where cluster ``name`` records itself (name sanitized to one path component)."""
-    return STATE_ROOT / (re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip(".") or "cluster")
+    """Directory where cluster ``name`` records itself: the name made one safe path component, plus a
+    short hash of the real name, since sanitising alone maps ``a b`` and ``a_b`` to one folder (and
+    ``down`` of one would then take the other down)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)).strip(".")[:64] or "cluster"
+    digest = hashlib.sha256(str(name).encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return STATE_ROOT / f"{safe}-{digest}"
 
 
 class Cluster:
@@ -397,9 +425,10 @@ class Cluster:
     ``ddl emulate up``) from its state file. ``down()`` is idempotent and tolerates half-built clusters.
     """
 
-    def __init__(self, plan, state_dir):
+    def __init__(self, plan, state_dir, lock=None):
         self.plan = plan
         self.state_dir = Path(state_dir)
+        self._lock = lock           # open file descriptor of the held state lock (see lock_state)
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -408,8 +437,13 @@ class Cluster:
         plan_network(topo, "ddl", scale, mtu)
         check_can_emulate()
         state_dir = Path(state_dir) if state_dir else state_dir_for(topo.name)
-        refuse_if_up(state_dir, topo.name)
-        cluster = cls(plan_network(topo, new_tag(), scale, mtu), state_dir)
+        lock = lock_state(state_dir, topo.name)
+        try:
+            refuse_if_up(state_dir, topo.name)
+            cluster = cls(plan_network(topo, new_tag(), scale, mtu), state_dir, lock)
+        except BaseException:
+            _release(state_dir, lock)
+            raise
         try:
             cluster._save()
             cluster._build()
@@ -509,9 +543,12 @@ class Cluster:
         """End the processes inside the cluster's namespaces, delete them, unmount UTS files, forget state.
 
         Every namespace carries the cluster's unique tag, so every process inside one was started by
-        this cluster's user through it: those are the only processes ended here, by PID.
+        this cluster's user through it: those are the only processes ended here, by PID. Refuses (Error)
+        while another process holds the cluster's lock: it is building or running it, and tears it down.
         """
-        with _sigint_deferred():
+        with _signals_deferred():
+            if self._lock is None:
+                self._lock = lock_state(self.state_dir, self.plan.name)
             self._down()
 
     def _down(self):
@@ -526,41 +563,126 @@ class Cluster:
             path = self.uts_file(h)
             if path.exists():
                 _sh(["umount", str(path)], check=False)
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        self._forget()
         left = [ns for ns in self.plan.namespaces if ns in set(list_namespaces())]
         if left:
             raise Error(f"could not delete namespaces {', '.join(left)}; remove them with `ip netns del`")
 
+    def _forget(self):
+        """Remove the state folder. Its lock file goes (and the lock is let go) only if this process
+        holds the lock: the file must outlive anyone who may still lock it."""
+        if self._lock is None:
+            for path in self.state_dir.glob("*"):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                elif path.name != LOCK_FILE:
+                    path.unlink(missing_ok=True)
+            return
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        os.close(self._lock)
+        self._lock = None
+
+
+LOCK_FILE = "lock"
+
+
+def lock_state(state_dir, name):
+    """Take the exclusive lock of a cluster's state folder (an flock on its ``lock`` file, which the
+    kernel lets go when this process ends, however it ends); return its file descriptor.
+
+    Whoever builds, runs or removes a cluster holds it, so a second ``up`` or ``run`` of one file is
+    refused here instead of finding a half-written record, calling it stale and tearing down the
+    namespaces the first is still creating.
+    """
+    state_dir = Path(state_dir)
+    path = state_dir / LOCK_FILE
+    while True:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:       # the folder was just removed by the holder: try again
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise Error(f"emulated cluster {name!r} is being built, run or removed by another process"
+                        f"{f' (pid {holder})' if holder.isdigit() else ''}: wait for it to finish, or "
+                        "end it (it tears the cluster down)") from None
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(current, os.fstat(fd)):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)                    # locked a file its holder removed on the way out: lock the new one
+
+
+def _release(state_dir, fd):
+    """Let go of the state lock; a folder that holds only the lock file (nothing was built) goes too."""
+    try:
+        if [p.name for p in Path(state_dir).iterdir()] == [LOCK_FILE]:
+            shutil.rmtree(state_dir, ignore_errors=True)
+    finally:
+        os.close(fd)
+
 
 def refuse_if_up(state_dir, name):
-    """Refuse to build over a live cluster of the same name; clean a stale record whose namespaces died."""
+    """Refuse to build over a live cluster of the same name; clean a stale record whose namespaces died.
+
+    The caller holds the state lock, so the stale record's teardown leaves the lock file in place.
+    """
     if not (Path(state_dir) / "state.json").exists():
         return
     old = Cluster.load(state_dir)
     if set(old.plan.namespaces) & set(list_namespaces()):
         raise Error(f"an emulated cluster {name!r} is already up ({old.plan.tag}); "
                     f"take it down first with `ddl emulate down`")
-    old.down()
+    with _signals_deferred():
+        old._down()
 
 
-class _sigint_deferred:
-    """Hold Ctrl-C while tearing down (a second Ctrl-C would leave half a cluster); re-raise it after."""
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _signals_deferred:
+    """Hold Ctrl-C, SIGTERM and SIGHUP while tearing down (any of them would leave half a cluster and its
+    state folder behind); deliver the first of them after, to whatever handled it before.
+
+    They are blocked as well as caught, so that the teardown's ``ip``, ``tc`` and ``umount`` start with
+    them blocked: a Ctrl-C goes to the terminal's whole foreground process group, and one pressed again
+    would otherwise kill ``ip netns pids`` (which then finds no process to end) or ``ip netns del``.
+    If the teardown itself failed, only a signal whose default action ends the process is delivered:
+    a handler's exception would hide the teardown's error. Signals handled outside Python (getsignal
+    None) are left alone: there is no handler to give them back to.
+    """
 
     def __enter__(self):
-        self.hit = False
-        self.saved = None
+        self.hit = None
+        self.saved = {}
+        self.mask = None
         if threading.current_thread() is threading.main_thread():
-            self.saved = signal.signal(signal.SIGINT, self._note)
+            self.saved = {s: signal.signal(s, self._note) for s in DEFERRED_SIGNALS
+                          if signal.getsignal(s) is not None}
+            self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.saved)
         return self
 
     def _note(self, signum, frame):
-        self.hit = True
+        if self.hit is None:
+            self.hit = signum
 
     def __exit__(self, *exc):
-        if self.saved is not None:
-            signal.signal(signal.SIGINT, self.saved)
-        if self.hit and exc[0] is None:
-            raise KeyboardInterrupt
+        if self.mask is not None and self.saved:
+            while (info := signal.sigtimedwait(self.saved, 0)) is not None:    # take the held ones
+                self._note(info.si_signo, None)
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+        for s, handler in self.saved.items():
+            signal.signal(s, handler)
+        if self.hit is not None and (exc[0] is None or self.saved[self.hit] == signal.SIG_DFL):
+            signal.raise_signal(self.hit)
         return False
 
 
@@ -587,7 +709,7 @@ def _netns_pids(ns):
 
 def _shape(ns, dev, rate, mtu):
     """tbf on the transmitting device: the one place a direction of a veth can be shaped exactly."""
-    bits = max(int(round(rate / goodput(mtu) * 8)), 8000)
+    bits = shaped_bits(rate, mtu)          # within tc's range: plan_network refuses others
     burst = max(TBF_MIN_BURST, int(rate * TBF_BURST_SECONDS))
     _sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
          "burst", str(burst), "latency", TBF_LATENCY])
