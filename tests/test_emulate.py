@@ -484,6 +484,14 @@ def _cluster_file(tmp_path, what, **kw):
     return topo.name, str(path), netns.state_dir_for(topo.name)
 
 
+def _sigterm_tears_down(proc, err, tag, state):
+    """SIGTERM to a ``ddl emulate`` process: it exits 143, says so, and leaves nothing of cluster ``tag``."""
+    proc.send_signal(signal.SIGTERM)
+    status = proc.wait(timeout=60)
+    assert status == 143 and "ddl: interrupted by SIGTERM" in err.read_text(), (status, err.read_text())
+    assert _leftovers(tag, state) == ([], False)
+
+
 @needs_root
 @pytest.mark.timeout(90)
 def test_cli_sigterm_during_up_removes_what_was_built(tmp_path):
@@ -496,10 +504,7 @@ def test_cli_sigterm_during_up_removes_what_was_built(tmp_path):
         assert _wait_for(lambda: _recorded_tag(state) or proc.poll() is not None, 30)
         tag = _recorded_tag(state)
         assert tag and proc.poll() is None, "up ended before it could be interrupted"
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=60)
-        assert status == 143 and "ddl: interrupted by SIGTERM" in err.read_text(), (status, err.read_text())
-        assert _leftovers(tag, state) == ([], False)
+        _sigterm_tears_down(proc, err, tag, state)
     finally:
         proc.kill()
         proc.wait()
@@ -516,10 +521,7 @@ def test_cli_run_sigterm_tears_down_and_exits_143(tmp_path):
     try:
         assert _wait_for(lambda: mark.exists() or proc.poll() is not None, 60), "CMD never started"
         tag = _recorded_tag(state)
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=60)
-        assert status == 143 and "ddl: interrupted by SIGTERM" in err.read_text(), (status, err.read_text())
-        assert _leftovers(tag, state) == ([], False)
+        _sigterm_tears_down(proc, err, tag, state)
     finally:
         proc.kill()
         proc.wait()
