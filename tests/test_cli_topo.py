@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddl import Error
+from ddl.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "topologies"
@@ -89,6 +90,33 @@ def test_show_names_the_direct_link_bound():
     assert len(allreduce) == 1
     assert "busbw <= 156 GB/s" in allreduce[0] and "direct link over it alone" in allreduce[0]
 
+
+
+def test_show_gives_reduce_scatter_its_own_cut_where_links_differ_by_direction(tmp_path):
+    # GPUs 1-3 send to GPU 0 at 10 GB/s and hear from it at 1 GB/s: allgather is held by what leaves
+    # GPU 0, reduce-scatter by the reversed fabric's cut, which is 3x wider (both as lower_bound says)
+    hub = tmp_path / "hub.yaml"
+    hub.write_text("""name: hub
+nodes:
+  - {id: sw, kind: switch}
+  - {id: "g{i}", kind: gpu, for: {i: 4}}
+links:
+  - {a: "g{i}", b: g0, bandwidth: 10 GB/s, directed: true, for: {i: [1, 2, 3]}}
+  - {a: g0, b: "g{i}", bandwidth: 1 GB/s, directed: true, for: {i: [1, 2, 3]}}
+  - {a: "g{i}", b: sw, bandwidth: 10 MB/s, for: {i: 4}}
+ranks:
+  - {id: "g{i}", for: {i: 4}}
+""")
+    proc = ddl("topo", "show", hub)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split(" algbw")[0].strip(): line for line in proc.stdout.splitlines() if " algbw <=" in line}
+    assert set(lines) == {"allgather", "reduce-scatter", "allreduce"}
+    assert "1.347 GB/s" in lines["allgather"] and "4.013 GB/s" in lines["reduce-scatter"]
+    bounds = pytest.importorskip("ddl.bounds")
+    topo = Topology.load(hub)
+    for name, collective in (("allgather", "allgather"), ("reduce-scatter", "reduce_scatter")):
+        seconds = bounds.lower_bound(topo, collective, 1 << 30).bandwidth_seconds
+        assert f"{(1 << 30) / seconds / 1e9:.4g} GB/s" in lines[name]
 
 def test_show_large_hierarchy_is_compact():
     proc = ddl("topo", "show", ZOO / "ibm-3tier-192.yaml")

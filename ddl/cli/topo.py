@@ -215,7 +215,6 @@ def _cut_line(topo):
     spb = cb.seconds_per_byte
     if spb <= 0 or math.isinf(spb):
         return [f"limiting cut: none found (allgather time per byte {spb})"]
-    algbw = 1.0 / spb
     in_ranks = [i for i, v in enumerate(topo.ranks) if v in cb.cut]
     others = len(cb.cut) - len(set(topo.ranks[i] for i in in_ranks))
     outside = [i for i in range(p) if i not in set(in_ranks)]
@@ -231,16 +230,26 @@ def _cut_line(topo):
     allreduce_algbw = ab.algbw
     direct = (f"{len(tb.groups)} groups of ranks exchange at most {format_bandwidth(tb.bandwidth)} in all, "
               f"ranks joined by a direct link over it alone")
-    ag_why = ""
-    if tb.seconds_per_byte > spb:
-        algbw, ag_why = 1.0 / tb.seconds_per_byte, f"; {direct}"
     if 2 * tb.seconds_per_byte > ab.seconds_per_byte:
         allreduce_algbw, why = 0.5 / tb.seconds_per_byte, direct
+
+    def one_way(seconds_per_byte, names, what):
+        """The line of a collective that moves every block one way: its cut's (or the transfer bound)."""
+        bw, note = 1.0 / seconds_per_byte, f"; {what}" if what else ""
+        if tb.seconds_per_byte > seconds_per_byte:
+            bw, note = 1.0 / tb.seconds_per_byte, f"; {direct}"
+        return f"  {names} algbw <= {format_bandwidth(bw)} (busbw <= {format_bandwidth(bw * (p - 1) / p)}{note})"
+
+    # reduce-scatter's cut is the reversed fabric's: the same on full-duplex fabrics, not where a
+    # link is faster one way than the other
+    rs = bounds.cut_bound(topo, reverse=True).seconds_per_byte
+    same = math.isclose(rs, spb, rel_tol=1e-9)
     return [
         f"limiting cut (ForestColl): S holds {cb.ranks_in_cut} of {p} ranks ({where}; plus {others} other "
         f"vertices), {format_bandwidth(cb.bandwidth_out)} leaves S",
-        f"  allgather / reduce-scatter algbw <= {format_bandwidth(algbw)} "
-        f"(busbw <= {format_bandwidth(algbw * (p - 1) / p)}{ag_why})",
+        *([one_way(spb, "allgather / reduce-scatter", "")] if same else
+          [one_way(spb, "allgather", ""),
+           one_way(rs, "reduce-scatter", "its cut on the fabric reversed: links differ by direction")]),
         f"  allreduce algbw <= {format_bandwidth(allreduce_algbw)} "
         f"(busbw <= {format_bandwidth(allreduce_algbw * 2 * (p - 1) / p)}; {why})",
     ]
