@@ -163,3 +163,18 @@ def test_links_a_million_fold_apart_plan_instead_of_crashing():
     for collective in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
         plan = Planner(topo, use_disk_cache=False).plan(collective, 1 << 20)
         assert plan.verified and plan.gap < 1.05
+
+
+def test_rings_too_slow_for_the_lp_to_rate_are_a_plan_error():
+    # direct links of 1 B/s beside a 1000 TB/s switch: in units of the widest link the rings' rates
+    # fall under HiGHS's tolerance (they were rated 0, and weighing them divided by zero); the planner
+    # says so and plans the other algorithms
+    topo = Topology.from_dict({
+        "name": "rings-below-tolerance",
+        "nodes": [{"id": "sw", "kind": "switch"}] + [{"id": f"g{i}", "kind": "gpu"} for i in range(4)],
+        "links": [{"a": f"g{i}", "b": "sw", "bandwidth": "1000 TB/s"} for i in range(4)]
+        + [{"a": f"g{i}", "b": f"g{(i + 1) % 4}", "bandwidth": "1 B/s"} for i in range(4)],
+        "ranks": [f"g{i}" for i in range(4)]})
+    with pytest.raises(PlanError, match="too slow beside the widest link"):
+        ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=1 << 30)
+    verify(ALGORITHMS["ring"](topo, "allreduce", nbytes=1 << 30))

@@ -51,6 +51,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..errors import PlanError
 from ..simulate import simulate
+from ..units import format_bandwidth
 from .multicommodity_flow import repeats_a_base
 from .ring import check_request
 from .ring_channels import MAX_CHANNELS, MIN_GAIN, candidate_orders, choose_channels, rated_channels
@@ -189,6 +190,9 @@ class RingPacking:
             chosen = [cycles[j] for j in kept]
             _, x, _ = self._lp(chosen)
             rates = [float(r) * self.unit for r in x]
+            if max(rates) <= 0:     # every ring's rate under the LP's tolerance, in units of the widest link
+                raise PlanError(f"{NAME}: the rings' links are too slow beside the widest link "
+                                f"({format_bandwidth(self.unit)}) for the LP to rate them")
             routes = self._routes(self._shortest_routing(chosen, x))
             trial = rated_channels(chosen, rates, "allreduce", SELECT_BYTES, 0, RATE_STEPS, NAME, routes=routes)
             yield simulate(self.topo, trial, SELECT_BYTES).seconds, chosen, rates, routes
