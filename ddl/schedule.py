@@ -238,15 +238,16 @@ class Schedule:
         return {
             "format": FORMAT,
             "collective": self.collective,
-            "nranks": self.nranks,
-            "root": self.root,
+            "nranks": int(self.nranks),
+            "root": int(self.root),
             "algorithm": self.algorithm,
             "pattern": [int(w) for w in self.pattern],
             "info": self.info,
-            "routes": [{"src": s, "dst": d, "paths": [{"via": list(p), "share": w} for p, w in paths]}
+            "routes": [{"src": int(s), "dst": int(d),
+                        "paths": [{"via": list(p), "share": float(w)} for p, w in paths]}
                        for (s, d), paths in sorted(self.routes.items())],
             "spans": [[int(first), int(count)] for first, count in self.spans],
-            "programs": [[[op.kind, op.chunk, op.peer] for op in prog] for prog in self.programs],
+            "programs": [[[op.kind, int(op.chunk), int(op.peer)] for op in prog] for prog in self.programs],
         }
 
     @classmethod
@@ -316,7 +317,8 @@ def write_file(path, text, replace=True):
     :func:`write_target`). OSError names ``path``."""
     shown, path = path, write_target(path)
     try:
-        fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=path.name + "-", dir=path.parent)
+        # a short prefix: the temporary name must fit where the file's own name (up to 255 bytes) does
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", prefix=path.name[:32] + "-", dir=path.parent)
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(shown)) from None
     try:

@@ -413,6 +413,23 @@ def test_json_round_trip_is_lossless(tmp_path):
             Schedule.from_dict({**sched.to_dict(), key: value})
 
 
+
+def test_a_schedule_built_from_numpy_integers_saves_under_the_longest_name(tmp_path):
+    # ranks and chunks taken from numpy arrays are numpy integers, which JSON cannot write; and the
+    # temporary file beside the target must fit where a 255-byte name does
+    ranks = np.arange(3)
+    b = ScheduleBuilder("broadcast", np.int64(3), (1,), root=ranks[2])
+    b.transfer(ranks[2], ranks[1], np.int64(0))
+    b.transfer(ranks[1], ranks[0], np.int64(0))
+    b.routes[(ranks[2], ranks[1])] = ((("h2", "h1"), np.float64(1.0)),)
+    sched = b.build()
+    verify(sched)
+    path = tmp_path / ("s" * 250 + ".json")
+    sched.save(path)
+    again = Schedule.load(path)
+    assert again == sched and again.routes == {(2, 1): ((("h2", "h1"), 1.0),)}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
 def test_bad_json_is_a_schedule_error():
     with pytest.raises(ScheduleError, match="not valid JSON"):
         Schedule.from_json("{")
