@@ -37,14 +37,15 @@ check whose cost is one 16-byte allreduce (latency only; it overlaps with nothin
 anyway, because the data phase has to wait for it), or a few shared-memory writes and reads, is the
 safe default.
 
-``check="new"`` is the opt-in compromise: check only signatures this rank has not seen before. It is
-made *safe* by salting the message tags of the data phase with the signature hash, so messages of two
-different collectives do not match: a divergence then shows up as a :class:`ddl.StallError` after
-``stall_timeout`` (naming the ranks) instead of a MismatchError -- never a hang, and a wrong answer
-only if the salts collide (1 in 64 with MPICH's tag range; ``TagSpace.salt_bits`` in
-:mod:`ddl.executor`). ``check="off"`` skips the check entirely (tags stay salted). All ranks must use
-the same ``check`` mode (verified when the Communicator is created). "new" and "off" use the MPI
-implementation of the check.
+``check="new"`` is the opt-in compromise: check only signatures this rank has not seen before (a call
+whose check failed is forgotten when its MismatchError reaches the caller, on every rank alike: see
+``Communicator._forget_signature``). It is made *safe* by salting the message tags of the data phase
+with the signature hash, so messages of two different collectives do not match: a divergence then
+shows up as a :class:`ddl.StallError` after ``stall_timeout`` (naming the ranks) instead of a
+MismatchError -- never a hang, and a wrong answer only if the salts collide (1 in 64 with MPICH's tag
+range; ``TagSpace.salt_bits`` in :mod:`ddl.executor`). ``check="off"`` skips the check entirely (tags
+stay salted). All ranks must use the same ``check`` mode (verified when the Communicator is created).
+"new" and "off" use the MPI implementation of the check.
 """
 import functools
 import hashlib
@@ -57,6 +58,7 @@ COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadc
 COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier"}
 REFUSED = 16   # collective code + REFUSED: a call whose arguments its rank refused (see refusal)
 GROUPED = 32   # collective code + GROUPED: the arrays of a grouped call (see grouped)
+GAVE_UP = 64   # the collective code of a board row whose rank gave up on it (see ShmBoard.give_up)
 CHECK_MODES = ("always", "new", "off")
 _MASK62 = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -187,12 +189,21 @@ def agreed(buf):
     return buf[2] == -buf[3]
 
 
-def describe(vec):
-    """Human form of one signature vector: ``Allreduce with 1000 float32 (SUM)``."""
+def gave_up(table):
+    """The ranks whose row of a board ``table`` says they gave up on the collective (StallError)."""
+    return [r for r, row in enumerate(table) if int(row[_COLL]) == GAVE_UP]
+
+
+def describe(vec, several=False):
+    """Human form of one signature vector: ``Allreduce with 1000 float32 (SUM)`` (``several``: the
+    signature of more than one rank, for the words that say who)."""
     from .ops import op_from_code
     if _refused(vec):
         name = COLLECTIVE_NAMES.get(int(vec[_COLL]) - REFUSED, "a collective")
-        return f"{name} with arguments it refused (its own error says why)"
+        return (f"{name} with arguments they refused (their own errors say why)" if several else
+                f"{name} with arguments it refused (its own error says why)")
+    if int(vec[_COLL]) == GAVE_UP:
+        return "this collective, then gave up on it (StallError)"
     if _grouped(vec):
         ndtypes = int(vec[_ROOT])
         return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in {ndtypes} "
@@ -252,7 +263,7 @@ def mismatch_error(table, seq, rank):
     call_differs = any(len({row[idx] for row in rows}) > 1 for idx in _CALL_FIELDS)
     parts = []
     for vec, ranks in ordered:
-        text = describe(vec)
+        text = describe(vec, len(ranks) > 1)
         if len({v[_SEQ] for v in groups}) > 1:
             text += f" as its ddl collective #{vec[_SEQ]}"
         if len({(v[_SCHED], v[_TOPO]) for v in groups}) > 1 and not (refused or call_differs or _grouped(vec)):
@@ -390,6 +401,15 @@ class ShmBoard:
 
     def finish(self, seq):
         self.done[self.rank] = seq + 1
+
+    def give_up(self, seq):
+        """This rank gave up on ``seq`` (StallError) before its agreement settled: mark its row (if it
+        posted one), so that a rank arriving later raises too instead of agreeing with the rows the
+        others abandoned (and, inline, computing a result from them that nobody else has). One aligned
+        word is written: a reader sees the row as it was or with the mark, never half of it."""
+        s = seq % self.DEPTH
+        if self.seqs[s, self.rank] == seq + 1:
+            self.sigs[s, self.rank, _COLL] = GAVE_UP
 
     def missing(self, seq):
         """``{rank: latest collective it entered (or -1)}`` for the ranks that have not entered ``seq``."""

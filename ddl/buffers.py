@@ -79,7 +79,11 @@ def resolve_dtype(dtype):
                 f"or an MPI datatype such as MPI.FLOAT)")
 
 
-def _as_array(obj, what):
+def _as_array(obj, what, opaque_ok=False):
+    """``obj`` as a numpy array on its memory. A buffer whose format numpy cannot read (ctypes'
+    ``c_longdouble`` is ``'<g'``, ``c_void_p`` ``'<P'``) becomes opaque elements of its item size
+    (``V16``) where ``opaque_ok`` (its bytes will only be moved, or read as a dtype the caller names);
+    otherwise it is refused: reduced as raw bytes, it gave garbage without a word."""
     if isinstance(obj, np.ndarray):
         return obj
     try:
@@ -93,8 +97,14 @@ def _as_array(obj, what):
         try:
             return np.asarray(view)
         except (ValueError, TypeError, NotImplementedError):
-            return np.frombuffer(view.cast("B"), dtype=np.uint8) if not view.readonly else \
-                np.frombuffer(view.tobytes(), dtype=np.uint8)
+            if not opaque_ok:
+                raise Error(f"{what}: numpy cannot read the buffer format {view.format!r} of a "
+                            f"{type(obj).__name__} ({view.itemsize}-byte items), so ddl cannot reduce it; "
+                            f"name the dtype ([buf, dtype], e.g. [buf, numpy.longdouble] for ctypes.c_longdouble) "
+                            f"or pass a numpy array") from None
+            opaque = np.dtype(f"V{view.itemsize}")
+            return np.frombuffer(view.cast("B"), dtype=opaque) if not view.readonly else \
+                np.frombuffer(view.tobytes(), dtype=opaque)
     if hasattr(obj, "__array_interface__"):
         return np.asarray(obj)
     if hasattr(obj, "__dlpack__"):
@@ -179,15 +189,17 @@ def split_spec(spec, what, not_a_buffer):
     return buf, count, displ, dtype
 
 
-def parse_buffer(spec, what="buffer", writable=False):
+def parse_buffer(spec, what="buffer", writable=False, bytes_only=False):
     """Buffer spec -> 1-D numpy array viewing the described memory (no copy).
 
-    ``what`` names the argument in error messages (``"recvbuf"``).
+    ``what`` names the argument in error messages (``"recvbuf"``). ``bytes_only``: the collective only
+    moves the bytes (Bcast, Allgather), so a buffer format numpy cannot read is accepted as opaque items
+    of its size (see :func:`_as_array`); a reduction refuses it unless the spec names a dtype.
     """
     buf, count, displ, dtype = split_spec(
         spec, what, f"{what} must be a numpy array or an object with the buffer protocol, got a "
                     f"{type(spec).__name__} of numbers (lists are not buffers: use numpy.array(...))")
-    arr = _as_array(buf, what)
+    arr = _as_array(buf, what, opaque_ok=bytes_only or dtype is not None)
     flat = flat_view(arr, what)
     if dtype is not None:
         dt = resolve_dtype(dtype)

@@ -60,7 +60,8 @@ from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, fo
 from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
-from .executor import SCRATCH_BYTES, CompiledPlan, Engine, Execution, _env_float, _env_int
+from .executor import (_ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, _env_float, _env_int,
+                       in_flight_everywhere)
 from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
 from .units import message_size
@@ -434,7 +435,7 @@ class Communicator:
         if isinstance(nbytes_or_buffer, (int, np.integer, str)) and not isinstance(nbytes_or_buffer, bool):
             nbytes = _nbytes(nbytes_or_buffer)
         else:
-            nbytes = parse_buffer(nbytes_or_buffer, "buffer").nbytes
+            nbytes = parse_buffer(nbytes_or_buffer, "buffer", bytes_only=True).nbytes
         return self._schedule(collective, nbytes, root)
 
     def explain(self, nbytes, collective="allreduce", root=0):
@@ -507,28 +508,42 @@ class Communicator:
     def _start(self, layout, send, recv, count, dtype, op, root, sig_count, blocking=False):
         if self._freed:
             raise Error("this ddl.Communicator was freed")
-        if self._engine.inflight:
-            _check_not_in_flight(send, recv, self._engine.inflight.values())
+        if self._engine.inflight or len(_ENGINES) > 1:   # (every communicator's: one buffer, one call)
+            _check_not_in_flight(send, recv, in_flight_everywhere(), self._engine)
         plan, sig, finish, label, limit = self._compiled(layout, count, dtype, op, root, sig_count)
+        self._engine.admit(plan)   # may refuse the call: before it takes a sequence number
         seq = self._seq
         self._seq = seq + 1
         mode = self.check
+        forget = None
         if self.size == 1:
             check = False
         elif mode == "always":
             check = True
         elif mode == "new":
             check = sig.base not in self._seen
-            self._seen.add(sig.base)
+            if check:
+                self._seen.add(sig.base)
+                forget = self._forget_signature
         else:
             check = False
         ex = Execution(plan, seq, sig, check, label, send, recv, finish)
+        ex.on_error = forget
         if limit:
             ex.inline = _inline_input(layout, send, recv, count, dtype.itemsize, root, self.rank, self.size, limit)
         ex.sig_hash = sig.hash(seq)
         ex.salt = sig.base
         self._engine.start(ex, blocking)
         return ex
+
+    def _forget_signature(self, ex):
+        """check="new": a call whose check failed (MismatchError) is not "seen". Every rank checked it
+        (else the check could not have completed) and added its own signature when it started; each
+        forgets it when the error reaches the user -- at the same point of every rank's program, so the
+        ranks' seen-sets stay alike and a corrected retry of the same call is checked on every rank
+        (the ranks whose call had been right used to skip that check while the others waited in it)."""
+        if isinstance(ex.error, MismatchError):
+            self._seen.discard(ex.sig.base)
 
     def _announce_refusal(self, collective, exc):
         """Enter this rank's refusal of a ``collective`` call (``exc``) in the agreement and wait for it
@@ -605,13 +620,13 @@ class Communicator:
     @_announced("allgather")
     def _allgather_start(self, sendbuf, recvbuf, blocking=False):
         p = self.size
-        recv = parse_buffer(recvbuf, "recvbuf", writable=True)
+        recv = parse_buffer(recvbuf, "recvbuf", writable=True, bytes_only=True)
         if is_in_place(sendbuf):
             if recv.size % p:
                 raise Error(f"Allgather(IN_PLACE): recvbuf must hold size*n = {p}*n elements, got {recv.size}")
             return self._start("allgather_inplace", None, recv, recv.size, recv.dtype, None, 0, recv.size // p,
                                blocking)
-        send = parse_buffer(sendbuf, "sendbuf")
+        send = parse_buffer(sendbuf, "sendbuf", bytes_only=True)
         if send.dtype != recv.dtype:
             raise Error(f"Allgather: sendbuf is {send.dtype} but recvbuf is {recv.dtype}; ddl does not convert")
         if recv.size != p * send.size:
@@ -624,7 +639,7 @@ class Communicator:
     @_announced("broadcast")
     def _bcast_start(self, buf, root, blocking=False):
         root = _root(root, self.size)
-        b = parse_buffer(buf, "buf", writable=True)
+        b = parse_buffer(buf, "buf", writable=True, bytes_only=True)
         return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size, blocking)
 
     # ---- device buffers ----------------------------------------------------------------------------
@@ -717,6 +732,7 @@ class Communicator:
 
     def _agreement_only(self, sig, label):
         """Start a collective that is its agreement and nothing else (a barrier, a refusal)."""
+        self._engine.admit(None)
         seq = self._seq
         self._seq = seq + 1
         ex = Execution(None, seq, sig, self.size > 1, label, None, None)
@@ -858,22 +874,27 @@ def _overlap(a, b):
     return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
-def _check_not_in_flight(send, recv, inflight):
+def _check_not_in_flight(send, recv, inflight, engine=None):
     """A buffer that a collective still in flight writes (its recvbuf), or reads while this call
     writes it, would give garbage: MPI forbids it, and ddl says so (on this rank; the others learn of
-    the refusal through the agreement). Buffers are contiguous, so overlapping address ranges are
-    overlap; each call's ranges are taken once, when a later call first compares with them."""
-    mine_send, mine_recv = _extent(send), _extent(recv)
+    the refusal through the agreement), whichever communicator (``engine``: this call's) runs that
+    collective. Buffers are contiguous, so overlapping address ranges are overlap; each call's ranges
+    are taken once, when a later call first compares with them."""
+    mine = None
     for ex in inflight:
         if ex.bufs is None:
             continue
+        if mine is None:
+            mine = _extent(send), _extent(recv)
+        mine_send, mine_recv = mine
         if ex.extents is None:
             ex.extents = (_extent(ex.bufs[0]), _extent(ex.bufs[1]))
         theirs_send, theirs_recv = ex.extents
         for what, clash in (("recvbuf", _overlap(mine_recv, theirs_recv) or _overlap(mine_recv, theirs_send)),
                             ("sendbuf", _overlap(mine_send, theirs_recv))):
             if clash:
-                raise Error(f"{what} shares memory with a buffer of {ex.label} (ddl collective #{ex.seq}), "
+                where = "" if engine is None or ex.engine is engine else " on another ddl.Communicator"
+                raise Error(f"{what} shares memory with a buffer of {ex.label} (ddl collective #{ex.seq}{where}), "
                             f"still in flight: wait for that one first (one buffer in two calls in flight "
                             f"gives garbage; MPI forbids it too)")
 

@@ -41,7 +41,8 @@ Execution rules
   proves it.
 * Tags: ``1 + slot * 2**chunk_bits + chunk`` with ``slot = (seq mod window, signature salt)``, all
   within ``MPI.TAG_UB``; at most ``window - 1`` collectives are in flight per rank (starting another
-  first completes the oldest), so concurrent collectives never cross. Tag 0 is never used for data.
+  first completes the oldest, whose error, if any, waits for its own ``Wait``: see
+  :meth:`Engine.admit`), so concurrent collectives never cross. Tag 0 is never used for data.
 * Buffers: each chunk has an *initial* location (where this rank's input for it is) and a *home*
   (where its value is written and the result ends). For ``Allreduce(sendbuf, recvbuf)`` the initial
   location is ``sendbuf`` and the home ``recvbuf``: sends before the first write read ``sendbuf``,
@@ -86,7 +87,7 @@ import numpy as np
 
 from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk_locations, read_location
 from .errors import Error, StallError
-from .ops import reduce_into
+from .ops import reduce_quietly
 from .schedule import RECV, SEND
 
 # compiled op codes
@@ -100,10 +101,19 @@ _CODE_NAMES = {C_SEND: "send", C_RECV_DIRECT: "recv", C_RECV_SCRATCH: "recv", C_
                C_REDUCE_EARLY: "reduce", C_REDUCE_LATE: "reduce"}
 
 STATUS_TAG = 7  # on the signature communicator, never the data one
-_VIEW_CACHE_BYTES = 1 << 20  # plans up to this size cache their per-op views (see CompiledPlan.views)
+_VIEW_CACHE_BYTES = 1 << 20  # plans up to this size may keep their per-op views (see Engine._views)
 _EAGER_TEST = 4096           # sends up to this size are tested for completion right after MPI_Isend
 SCRATCH_BYTES = 1 << 30       # scratch kept for reuse, all plans together (env DDL_SCRATCH_BYTES; see ScratchPool)
 _ENGINES = []  # weak references to every live engine of this process (see Engine.poll); a plain list: len() is cheap
+
+
+def in_flight_everywhere():
+    """Every collective in flight on any live engine (communicator) of this process: a buffer that one
+    of them still uses is off limits to every communicator (see Communicator._start)."""
+    for ref in _ENGINES:
+        engine = ref()
+        if engine is not None and engine.inflight:
+            yield from list(engine.inflight.values())
 
 
 def _env_float(name, default):
@@ -144,12 +154,24 @@ class TagSpace:
 
 
 def _combine(ufunc, v):
-    """Reduce the operands of a reduction's views (see :meth:`CompiledPlan.views`) into its output."""
+    """Reduce the operands of a reduction's views (see :meth:`CompiledPlan.views`) into its output.
+
+    Called while the engine is driven (:meth:`Engine._drive_loop`, :meth:`Engine._poll_while_progress`),
+    which hold ``np.errstate(all="ignore")`` for the whole wait: floating-point exceptions are ignored
+    (see :func:`ddl.ops.reduce_quietly`) at the cost of one errstate per wait, not one per reduction."""
     if v[1] is None:                   # a span whose members take different operand orders
         for a, b, out in v[2]:
-            reduce_into(ufunc, a, b, out)
+            reduce_quietly(ufunc, a, b, out)
     else:
-        reduce_into(ufunc, v[1], v[2], v[3])
+        reduce_quietly(ufunc, v[1], v[2], v[3])
+
+
+@np.errstate(all="ignore")   # see ddl.ops.reduce_quietly (as a decorator: half the cost of a with block)
+def _reduce_rows(ufunc, rows, out):
+    """``out = rows[0] op rows[1] op ... op rows[-1]``, in that order (inline collectives)."""
+    ufunc(rows[0], rows[1], out=out)
+    for r in range(2, len(rows)):
+        reduce_quietly(ufunc, out, rows[r], out)
 
 
 class CompiledPlan:
@@ -251,19 +273,11 @@ class CompiledPlan:
         # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
         large = _env_int("DDL_LARGE_MESSAGE", 16 * 1024)
         self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
-        self._vcache = None
+        self.cache_views = count * isz <= _VIEW_CACHE_BYTES   # see Engine._views
 
     def views(self, bufs):
-        """Per op: its message buffer (bytes) and, for local work, its typed operands.
-
-        Cached for the last buffers seen when the plan is small (a training loop passes the same arrays
-        every step, and slicing is most of the per-op cost of a small collective); the cache holds
-        references to those arrays, so their identity cannot be reused while it lives."""
-        c = self._vcache
-        if c is not None:
-            k = c[0]
-            if k[0] is bufs[0] and k[1] is bufs[1] and k[2] is bufs[2] and k[3] is bufs[3]:
-                return c[1]
+        """Per op: its message buffer (bytes) and, for local work, its typed operands (see
+        :meth:`Engine._views`, which keeps the last call's)."""
         byts = [None if b is None else b.view(np.uint8) for b in bufs]
         scr_b, scr_t = byts[B_SCRATCH], bufs[B_SCRATCH]
         vs = []
@@ -284,8 +298,6 @@ class CompiledPlan:
                                                           for a, b, f in o[17]], None))
                 else:
                     vs.append((scr_b[o[15]:o[16]], *((incoming, local) if o[17] else (local, incoming)), out))
-        if self.count * self.itemsize <= _VIEW_CACHE_BYTES:
-            self._vcache = (tuple(bufs), vs)
         return vs
 
     def resources(self):
@@ -346,7 +358,8 @@ class Execution:
 
     __slots__ = ("plan", "seq", "sig", "sig_hash", "check", "salt", "tag_base", "bufs", "views", "need",
                  "remaining", "state", "error", "done", "check_buf", "gather_buf", "resources", "finish",
-                 "t_start", "t_progress", "warned", "label", "agree_done", "engine", "inline", "extents")
+                 "t_start", "t_progress", "warned", "label", "agree_done", "engine", "inline", "extents",
+                 "on_error")
 
     def __init__(self, plan, seq, sig, check, label, sendbuf, recvbuf, finish=None):
         self.plan, self.seq, self.sig, self.check, self.label = plan, seq, sig, check, label
@@ -364,6 +377,7 @@ class Execution:
         self.check_buf = self.gather_buf = None
         self.inline = None  # a collective small enough to ride on the agreement board: what it posts
         self.extents = None  # (send, recv) address ranges, once a later call asks (see Communicator._start)
+        self.on_error = None  # called when its error is raised to the user (see Engine._deliver)
 
 
 class Doorbell:
@@ -470,6 +484,7 @@ class Engine:
         self.pcomm, self.gcomm, self.board = pcomm, gcomm, board
         self.rank, self.size = pcomm.Get_rank(), pcomm.Get_size()
         self.tags = TagSpace(pcomm.Get_attr(MPI.TAG_UB) or 32767)
+        self._max_inflight = self.tags.window - 1   # see admit
         self.stall_warning, self.stall_timeout = stall_warning, stall_timeout
         self.reqs = []      # MPI requests (completed ones become REQUEST_NULL until compaction)
         self.owners = []    # parallel: (execution, op index, event) or None
@@ -500,24 +515,35 @@ class Engine:
             self.bell = Doorbell(board, self.rank)
         self._large = 0  # in-flight collectives with multi-handshake (large) messages: no doorbell sleep
         self.scratch = ScratchPool(scratch_bytes)
+        self._last_views = None  # (plan, its four buffers, their views) of the last call: see _views
         self._to_ring = set()  # peers sent to since the last flush (a woken peer may preempt us at once,
         #                         so we ring after issuing all the sends of a round of work)
         _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None] + [weakref.ref(self)]
 
     # ---- starting ---------------------------------------------------------------------------------
-    def start(self, ex, blocking=False):
-        """Post ``ex``; ``blocking``: the caller waits for it next (see :meth:`_inline_alone`)."""
+    def admit(self, plan):
+        """Everything that may refuse a new collective (of ``plan``; None: agreement only), done before
+        the caller gives it a sequence number: a call that raises here was never posted, so it must not
+        have used one up either (the other ranks would then pair their next call with this rank's
+        following one). Makes room in the tag window: at most ``window - 1`` collectives in flight, the
+        oldest completed first -- without raising its error, which belongs to its own ``Wait`` (a
+        MismatchError of an older call used to surface here, in a new call that was then lost)."""
         if self.broken is not None:
             raise Error(f"this ddl communicator is unusable after an earlier failure: {self.broken}")
+        if plan is not None and plan.max_chunk > self.tags.max_chunks:
+            raise Error(f"schedule has {plan.max_chunk} chunks; this MPI's TAG_UB allows at most "
+                        f"{self.tags.max_chunks}: plan with fewer chunks")
+        inflight = self.inflight
+        while len(inflight) >= self._max_inflight:
+            self.settle(next(iter(inflight.values())))   # (a StallError here breaks the communicator)
+
+    def start(self, ex, blocking=False):
+        """Post ``ex`` (:meth:`admit` first; nothing here refuses it); ``blocking``: the caller waits for it
+        next (see :meth:`_inline_alone`)."""
         if (blocking and ex.inline is not None and ex.check and not self.inflight
                 and self.board.can_post(ex.seq, True)):
             self._inline_alone(ex)
             return
-        while len(self.inflight) >= self.tags.window - 1:
-            self.wait(next(iter(self.inflight.values())))
-        if ex.plan is not None and ex.plan.max_chunk > self.tags.max_chunks:
-            raise Error(f"schedule has {ex.plan.max_chunk} chunks; this MPI's TAG_UB allows at most "
-                        f"{self.tags.max_chunks}: plan with fewer chunks")
         self._register(ex)
         if not ex.check:
             self._start_data(ex)
@@ -590,6 +616,7 @@ class Engine:
         _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None and ref() is not self]
         self.broken = self.broken or "the communicator was freed"
         self.scratch.clear()
+        self._last_views = None
 
     def _add(self, req, owner):
         self.reqs.append(req)
@@ -613,7 +640,7 @@ class Engine:
         res = ex.resources = self.scratch.acquire(plan)
         bufs = ex.bufs
         bufs[B_SCRATCH], bufs[B_WORK] = res[0], res[1]
-        views = ex.views = plan.views(bufs)
+        views = ex.views = self._views(plan, bufs)
         ex.need = plan.need0.copy()
         ex.remaining = plan.nops
         ops = plan.ops
@@ -633,6 +660,21 @@ class Engine:
             bufs[hb][ho:ho + ln] = bufs[sb][so:so + ln]
         if ex.remaining == 0:
             self._finish(ex)
+
+    def _views(self, plan, bufs):
+        """``plan.views(bufs)``, reused when the last call was this plan's on the same buffers (a training
+        loop passes the same arrays every step, and slicing is most of the per-op cost of a small
+        collective). Only the LAST call's views are kept, on the engine: they hold that call's arrays
+        and scratch, and a cache per plan (up to 256) kept every array ever passed alive, and scratch
+        beyond the ScratchPool's budget. Holding the arrays also keeps their identity from being reused
+        while the entry lives."""
+        last = self._last_views
+        if (last is not None and last[0] is plan and last[1] is bufs[0] and last[2] is bufs[1]
+                and last[3] is bufs[2] and last[4] is bufs[3]):
+            return last[5]
+        vs = plan.views(bufs)
+        self._last_views = (plan, bufs[0], bufs[1], bufs[2], bufs[3], vs) if plan.cache_views else None
+        return vs
 
     # ---- dataflow ---------------------------------------------------------------------------------
     def _run(self, ex, ready):
@@ -762,14 +804,37 @@ class Engine:
                     board.finish(ex.seq)
                     self._start_data(ex)
             else:
-                from .agreement import mismatch_error
+                from .agreement import gave_up, mismatch_error
                 table = board.table(ex.seq)
                 board.finish(ex.seq)
-                self._fail(ex, mismatch_error(table, ex.seq, self.rank))
+                quitters = gave_up(table)
+                if quitters:
+                    self._abandoned(ex, quitters)
+                else:
+                    self._fail(ex, mismatch_error(table, ex.seq, self.rank))
         return progressed
 
+    def _abandoned(self, ex, quitters):
+        """Ranks ``quitters`` gave up on ``ex`` (StallError) before every rank had entered it (this one,
+        or another still on its way): it fails here too, with a StallError naming them, and the
+        communicator is unusable, as theirs are."""
+        from .agreement import format_ranks
+        one = len(quitters) == 1
+        err = StallError(f"{ex.label} (ddl collective #{ex.seq}) on rank {self.rank}: {format_ranks(quitters)} "
+                         f"gave up on it (StallError: {'its' if one else 'their'} stall_timeout passed before "
+                         f"every rank had entered it) and will not take part; this communicator is unusable "
+                         f"now, as on {'that rank' if one else 'those ranks'}")
+        err.seq = ex.seq
+        self.broken = f"StallError in collective #{ex.seq} ({format_ranks(quitters)} gave up on it)"
+        self._fail(ex, err)
+
     def _finish_inline(self, ex):
-        self._complete_inline(ex)
+        try:
+            self._complete_inline(ex)
+        except Exception as exc:   # pragma: no cover - local numpy work; no message is pending
+            self.board.finish(ex.seq)
+            self._fail(ex, exc)
+            return
         self.board.finish(ex.seq)
         self._finish(ex)
 
@@ -796,10 +861,7 @@ class Engine:
             n = plan.count // p
             rows = rows[:, rank * n:(rank + 1) * n]
             out = recv[:n] if layout == "reduce_scatter" else recv[rank * n:(rank + 1) * n]
-        ufunc = plan.ufunc
-        ufunc(rows[0], rows[1], out=out)
-        for r in range(2, p):
-            reduce_into(ufunc, out, rows[r], out)
+        _reduce_rows(plan.ufunc, rows, out)
 
     # ---- progress ---------------------------------------------------------------------------------
     def _dispatch(self, owner):
@@ -876,7 +938,10 @@ class Engine:
                     owner = owners[k]
                     owners[k] = None
                     self.nactive -= 1
-                    self._dispatch(owner)
+                    try:
+                        self._dispatch(owner)
+                    except Exception as exc:
+                        self._local_failure(owner[0], exc)
                 progressed = True
                 if len(owners) > 32 and self.nactive * 2 < len(owners):
                     keep = [k for k, o in enumerate(owners) if o is not None]
@@ -886,6 +951,17 @@ class Engine:
             if self._poll_board():
                 progressed = True
         return progressed
+
+    def _local_failure(self, ex, exc):
+        """Local work of ``ex`` (a reduction, a copy) raised ``exc``: ``ex`` fails with it -- raised by its
+        own wait, not by whichever call happened to drive the engine, and the requests completed in the
+        same poll are still handled -- and the communicator is unusable: this rank will not send the rest
+        of ``ex``, and messages it does not receive now could match a later collective's. The peers learn
+        that it gave up (their stall diagnostics name it)."""
+        self.broken = f"{type(exc).__name__} in collective #{ex.seq} on rank {self.rank}: {exc}"
+        if ex.state != "failed":
+            self._send_status(ex, failed=True)
+            self._fail(ex, exc)
 
     def _mpi_failure(self, exc):
         """An MPI error inside the data phase: every in-flight collective fails with a ddl.Error."""
@@ -917,7 +993,21 @@ class Engine:
             self._resume()
             self._drive_until(None, ex)
         if ex.error is not None:
-            raise ex.error
+            self._deliver(ex)
+
+    def settle(self, ex):
+        """Drive all in-flight collectives until ``ex`` is done, keeping its error for its own wait."""
+        if not ex.done:
+            self._resume()
+            self._drive_until(None, ex)
+
+    @staticmethod
+    def _deliver(ex):
+        """Raise the error of ``ex`` to the caller of its wait or test (its ``on_error`` first: see
+        Communicator._start)."""
+        if ex.on_error is not None:
+            ex.on_error(ex)
+        raise ex.error
 
     def _drive_until(self, cond, ex):
         """Poll until ``ex`` is done (cond None) or ``cond()`` holds; waits per the idle policy.
@@ -928,6 +1018,11 @@ class Engine:
         responsive inside a collective (a rank that yields hands its core straight to the rank it waits
         for; a woken sleeper may wait for the running task's time slice), sleeping keeps long waits
         (skewed ranks, a user computing between collectives) from burning cores."""
+        self._drive_loop(cond, ex)
+        self._last_drive = time.monotonic()
+
+    @np.errstate(all="ignore")   # the reductions done meanwhile: see _combine
+    def _drive_loop(self, cond, ex):
         idle = 0
         poll = self.poll
         spin, sleep_after, nap0, nap_max = self.spin, self.sleep_after, self.nap, self.nap_max
@@ -964,18 +1059,21 @@ class Engine:
                 time.sleep(nap)   # back off while nothing happens: fewer polls stealing cores
                 if nap < nap_max:
                     nap *= 1.5
-        self._last_drive = time.monotonic()
 
     def test(self, ex):
         if not ex.done:
             self._resume()
-            while self.poll():
-                pass
+            self._poll_while_progress()
             self._watchdog(time.monotonic())
             self._last_drive = time.monotonic()
         if ex.done and ex.error is not None:
-            raise ex.error
+            self._deliver(ex)
         return ex.done
+
+    @np.errstate(all="ignore")   # the reductions done meanwhile: see _combine
+    def _poll_while_progress(self):
+        while self.poll():
+            pass
 
     # ---- stall watchdog ---------------------------------------------------------------------------
     def _watchdog(self, now):
@@ -997,16 +1095,20 @@ class Engine:
                 self.broken = f"StallError in collective #{ex.seq}"
                 self._send_status(ex, gave_up=True)
                 for other in list(self.inflight.values()):
+                    if other.state == "agreement" and self.board is not None:
+                        self.board.give_up(other.seq)   # a rank arriving later must not agree with us
                     self._fail(other, err)
                 raise err
 
-    def _send_status(self, ex, gave_up=False):
-        """Tell every peer "I am stuck in collective #seq" (or "I gave up on it"): stall diagnostics."""
-        key = (ex.seq, gave_up)
+    def _send_status(self, ex, gave_up=False, failed=False):
+        """Tell every peer "I am stuck in collective #seq" (or "I gave up on it", or "it failed here with
+        an error of my own"): stall diagnostics."""
+        key = (ex.seq, gave_up or failed)
         if key in self._status_sent or self.size == 1:
             return
         self._status_sent.add(key)
-        msg = np.array([self.rank, ex.seq, 3 if gave_up else {"agreement": 0, "data": 1}.get(ex.state, 2)], np.int64)
+        code = 4 if failed else 3 if gave_up else {"agreement": 0, "data": 1}.get(ex.state, 2)
+        msg = np.array([self.rank, ex.seq, code], np.int64)
         for r in range(self.size):
             if r != self.rank:
                 self._status_reqs.append(self.gcomm.Isend(msg, r, STATUS_TAG))
@@ -1028,7 +1130,7 @@ class Engine:
         from .agreement import format_ranks
         head = (f"{ex.label} (ddl collective #{ex.seq}) on rank {self.rank} has made no progress for "
                 f"{stalled:.1f} s")
-        same, gave_up, elsewhere, silent = [], [], [], []
+        same, gave_up, failed, elsewhere, silent = [], [], [], [], []
         for r in range(self.size):
             if r == self.rank:
                 continue
@@ -1036,7 +1138,7 @@ class Engine:
             if s is None:
                 silent.append(r)
             elif s[0] == ex.seq:
-                (gave_up if s[1] == 3 else same).append(r)
+                (gave_up if s[1] == 3 else failed if s[1] == 4 else same).append(r)
             else:
                 elsewhere.append((r, s[0]))
         if ex.state == "agreement" and self.board is not None:
@@ -1058,6 +1160,9 @@ class Engine:
             notes.append(f"{format_ranks(same)} {'is' if len(same) == 1 else 'are'} stuck in it too")
         if gave_up:
             notes.append(f"{format_ranks(gave_up)} gave up on it (StallError) and will not take part")
+        if failed:
+            notes.append(f"{format_ranks(failed)} failed in it with an error of {'its' if len(failed) == 1 else 'their'} "
+                         f"own and will not take part")
         for r, seq in elsewhere:
             notes.append(f"rank {r} is stuck in ddl collective #{seq}")
         if silent and (ex.warned or ex.state == "agreement"):

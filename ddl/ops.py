@@ -70,11 +70,24 @@ _BY_CODE = {op.code: op for op in OPS}
 _ALIASES = {"AVERAGE": AVG, "MEAN": AVG}
 
 
+@np.errstate(all="ignore")   # (as a decorator: half the cost of a with block)
 def reduce_into(ufunc, a, b, out):
-    """``out = a op b`` without a temporary (``out`` may be ``a`` or ``b``). One element is computed
-    aside: numpy takes ``add(a, b, out=a)`` of a single element for a reduction and keeps ``b``'s NaN
-    (sign and payload) instead of ``a``'s, which would break the operand order that makes results
-    bitwise identical on every rank."""
+    """``out = a op b`` without a temporary (``out`` may be ``a`` or ``b``), floating-point exceptions
+    ignored (see :func:`reduce_quietly`)."""
+    reduce_quietly(ufunc, a, b, out)
+
+
+def reduce_quietly(ufunc, a, b, out):
+    """:func:`reduce_into` for a caller already inside ``np.errstate(all="ignore")``.
+
+    Floating-point exceptions (overflow, invalid, ...) are never trapped nor warned about, as in MPI:
+    under the user's ``np.seterr(over="raise")`` an overflow on one rank would otherwise raise halfway
+    through a collective and leave the other ranks waiting for it (and with the default settings,
+    print RuntimeWarnings that point into ddl). The result holds the IEEE value (inf, nan).
+
+    One element is computed aside: numpy takes ``add(a, b, out=a)`` of a single element for a
+    reduction and keeps ``b``'s NaN (sign and payload) instead of ``a``'s, which would break the
+    operand order that makes results bitwise identical on every rank."""
     if out.size == 1:
         out[...] = ufunc(a, b)
     else:
@@ -104,7 +117,12 @@ def resolve_op(op):
         for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR", "BXOR", "LAND", "LOR", "LXOR"):
             if op == getattr(mpi, name):
                 return _BY_NAME.get(name) or _ALIASES[name]
-        raise Error(f"MPI reduction op {op!r} is not supported by ddl; use one of "
+        name = next((f"MPI.{n}" for n in ("MAXLOC", "MINLOC", "REPLACE", "NO_OP", "OP_NULL")
+                     if op == getattr(mpi, n, None)), None)
+        if name is None:   # (mpi4py shows an Op as <mpi4py.MPI.Op object at 0x...>: say what it is)
+            name = ("a predefined MPI.Op" if getattr(op, "is_predefined", False)
+                    else "a user-defined MPI.Op (MPI.Op.Create)")
+        raise Error(f"MPI reduction op {name} is not supported by ddl; use one of "
                     f"{', '.join(o.name for o in OPS)}")
     raise Error(f"op must be one of ddl.{', ddl.'.join(o.name for o in OPS)}, got {op!r}")
 
@@ -152,6 +170,8 @@ def check_op_dtype(op, dtype):
         raise Error(f"{op.name} is not defined for dtype {np.dtype(dtype)}")
 
 
+@np.errstate(all="ignore")
 def finish_average(array, nranks):
-    """In-place division by ``nranks`` that ends an AVG (``array`` holds the sum)."""
+    """In-place division by ``nranks`` that ends an AVG (``array`` holds the sum); floating-point
+    exceptions (underflow) ignored, as in the reduction (see :func:`reduce_quietly`)."""
     np.true_divide(array, nranks, out=array, casting="unsafe")

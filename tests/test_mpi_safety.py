@@ -35,6 +35,21 @@ def test_stall_watchdog_names_the_sleeping_rank(agreement):
             assert re.search(r"no word from rank 2|for rank 2, which has not entered it", line.group(2)), line.group(2)
             # no waiting rank finishes; the sleeper may, when all it needs had arrived before it slept
             assert f"NOSTALL{scenario} rank {rank}\n" not in out
+    # the rank that arrives after the others gave up raises too, naming them (it once agreed, on the shared-memory
+    # board, with the rows they had abandoned and returned a sum computed alone)
+    others = "ranks 0, 1"
+    for scenario in (1, 3):
+        line = re.search(rf"STALL{scenario} rank 2 after [\d.]+s: (.*)", out)
+        assert line and f"{others} gave up on it" in line.group(1), \
+            f"scenario {scenario}: the late rank 2 did not raise StallError naming {others}:\n{out[-4000:]}"
+    # a reduction that raises on rank 2: its own call raises that error, its communicator refuses the next call
+    # at once, and the others' StallError says that rank 2 failed in it
+    assert "FAILED4 rank 2: simulated failure of a reduction" in out, out[-4000:]
+    assert re.search(r"REFUSED4 rank 2 after 0\.\ds: this ddl communicator is unusable after an earlier failure: "
+                     r"RuntimeError in collective #0", out), out[-4000:]
+    for rank in range(n - 1):
+        assert re.search(rf"STALL4 rank {rank} after [\d.]+s: .*rank 2 failed in it with an error of its own",
+                         out), out[-4000:]
     # the data-phase stall names the steps (op index, chunk, peer) it waits for
     assert re.search(r"STALL2 rank \d after [\d.]+s: .*waiting for rank \d .*op \d+ \((reduce|recv) chunk \d+ from rank \d\)", out)
     assert re.search(r"STALL1 rank 0 .*agreement step", out)

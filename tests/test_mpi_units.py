@@ -46,6 +46,11 @@ def test_mpi_ops_map():
     assert (resolve_op(MPI.LAND), resolve_op(MPI.LOR), resolve_op(MPI.LXOR)) == (ddl.LAND, ddl.LOR, ddl.LXOR)
     with pytest.raises(ddl.Error, match="not supported"):
         resolve_op(MPI.MAXLOC)
+    # named, not shown as <mpi4py.MPI.Op object at 0x...>
+    for op, name in ((MPI.MAXLOC, "MPI.MAXLOC"), (MPI.REPLACE, "MPI.REPLACE"),
+                     (MPI.Op.Create(lambda a, b, t: None), r"a user-defined MPI.Op \(MPI.Op.Create\)")):
+        with pytest.raises(ddl.Error, match=f"MPI reduction op {name} is not supported"):
+            resolve_op(op)
 
 
 def test_logical_ops_are_logical_on_integers():
@@ -88,6 +93,18 @@ def test_buffer_specs():
     with pytest.raises(ddl.Error, match="whole number"):
         parse_buffer([np.ones(3, np.uint8), np.float32])
     assert is_in_place(IN_PLACE) and not is_in_place(a)
+    # a buffer format numpy cannot read (ctypes' long double: '<g'; a pointer: '<P'): refused where it would be
+    # reduced (it was summed as raw bytes), unless the spec names the dtype; moved as opaque items otherwise
+    import ctypes
+    ld = (ctypes.c_longdouble * 3)(1.5, 2.5, 3.5)
+    with pytest.raises(ddl.Error, match="recvbuf: numpy cannot read the buffer format '<g' .*cannot reduce it"):
+        parse_buffer(ld, "recvbuf", writable=True)
+    with pytest.raises(ddl.Error, match="'<P'"):
+        parse_buffer((ctypes.c_void_p * 2)(), "sendbuf")
+    v = parse_buffer([ld, np.longdouble], "recvbuf", writable=True)
+    assert v.dtype == np.longdouble and v.tolist() == [1.5, 2.5, 3.5]
+    v = parse_buffer([ld, 2], "buf", writable=True, bytes_only=True)     # the count counts items, not bytes
+    assert v.dtype == np.dtype("V16") and v.nbytes == 32 and v.view(np.longdouble).tolist() == [1.5, 2.5]
     from mpi4py import MPI
     assert is_in_place(MPI.IN_PLACE)
     assert resolve_dtype(MPI.DOUBLE) == np.float64 and resolve_dtype("i8") == np.int64
@@ -141,6 +158,8 @@ def test_a_refused_call_is_named_without_field_noise():
     assert refusal("allreduce", 22).hash(7) == refused.hash(7)
     assert len({refused.hash(7), refusal("broadcast", 22).hash(7), good.hash(7)}) == 3
     assert describe(refusal("broadcast", 22).vector).startswith("Bcast with arguments it refused")
+    err = mismatch_error([refused.with_seq(7), good.with_seq(7), refused.with_seq(7)], 7, rank=1)
+    assert "ranks 0, 2 called Allreduce with arguments they refused (their own errors say why)" in str(err), str(err)
 
 def test_a_grouped_call_agrees_on_every_array_and_says_what_differs():
     two = grouped([np.ones(3), np.ones(2, np.float32)], ddl.SUM, 22)
@@ -222,6 +241,10 @@ def test_a_buffer_of_a_call_in_flight_is_refused_for_another():
     _check_not_in_flight(buf, np.zeros(100), reading)                          # two reads of one sendbuf: fine
     with pytest.raises(ddl.Error, match="recvbuf shares memory"):              # writing what is being sent
         _check_not_in_flight(None, buf, reading)
+    mine, theirs = object(), object()                                           # the engines of two communicators
+    elsewhere = [SimpleNamespace(bufs=[None, buf, None, None], label="Allreduce", seq=3, extents=None, engine=theirs)]
+    with pytest.raises(ddl.Error, match=r"\(ddl collective #3 on another ddl.Communicator\), still in flight"):
+        _check_not_in_flight(None, buf, elsewhere, mine)
 
 
 def test_tag_space_fits_tag_ub():

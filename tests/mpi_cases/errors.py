@@ -106,6 +106,30 @@ q1.Wait()
 chk.ok(np.all(good == sum(range(p))) and np.array_equal(out3, np.arange(p)), "requests around a mismatch")
 still_works("nonblocking mismatch")
 
+# more calls in flight than the tag window holds: starting one completes the oldest first, and the oldest's
+# MismatchError belongs to its own Wait -- it once surfaced in the new call, which then was never posted
+# while its sequence number was used up, and every later call of the ranks fell out of step
+# (larger than the inline limit: an inline call can wait for the others' progress already when it starts; and
+# the last rank starts late, so that the others fill the window before the mismatch is known)
+import time  # noqa: E402
+wc = ddl.Communicator(WORLD, stall_timeout=5)
+window = wc._engine.tags.window
+vals = [np.full(20000 + (i == 0 and r == last), r + 1.0) for i in range(window + 2)]
+reqs = []
+if r == last:
+    time.sleep(0.5)
+for i, v in enumerate(vals):
+    try:
+        reqs.append(wc.Iallreduce(ddl.IN_PLACE, v))
+    except Exception as exc:
+        chk.fail(f"starting call {i} of {len(vals)} (window {window}) raised {type(exc).__name__}: {exc}")
+expect(ddl.MismatchError, reqs[0].Wait, f"rank {last} called Allreduce with 20001 float64", "with 20000 float64",
+       label="a mismatch in the oldest of a full window of calls")
+for i, q in enumerate(reqs[1:], 1):
+    q.Wait()
+    chk.ok(np.all(vals[i] == p * (p + 1) / 2), f"call {i} behind a mismatched one in a full window: {vals[i]}")
+wc.Free()
+
 comm = ddl.Communicator(WORLD, stall_timeout=60)
 still_works("fresh communicator")
 
@@ -249,6 +273,16 @@ for n in (4, 1 << 16):
         req.Wait()
     chk.ok(np.all(shared == p * p * (p + 1) / 2), f"disjoint halves of one buffer in flight at once, {n}")
     still_works(f"a buffer in two calls in flight, {n}")
+# ... and the same on two communicators: each has its own engine, but the memory is one (it gave mixed sums)
+other = ddl.Communicator(WORLD, stall_timeout=60)
+shared = np.full(1 << 16, r + 1.0)
+first = comm.Iallreduce(ddl.IN_PLACE, shared)        # large: in flight until waited for, on every rank
+expect(ddl.Error, lambda: other.Iallreduce(ddl.IN_PLACE, shared), "recvbuf shares memory with a buffer of Allreduce",
+       "on another ddl.Communicator", "still in flight", label="a buffer in flight on another communicator")
+first.Wait()
+chk.ok(np.all(shared == p * (p + 1) / 2), f"a buffer in flight on another communicator: {shared[:3]}")
+other.Free()
+still_works("a buffer in flight on another communicator")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), "abc", "d"]), "count must be an integer", "'abc'",
        label="a count that is a string")
 expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, [np.ones(4), 2.7, "d"]), "count must be an integer", "2.7",
@@ -358,6 +392,43 @@ expect(ddl.ScheduleError, lambda: c.planner.pin(saved), "lacks the contribution"
 os.unlink(saved)
 c.Free()
 
+# ---- floating-point exceptions: never trapped nor warned about, as in MPI -----------------------------------
+# (under np.seterr(over="raise") an overflow raised halfway through a collective on some ranks and left the
+# others waiting; with numpy's defaults it printed RuntimeWarnings pointing into ddl)
+import warnings  # noqa: E402
+for n in (10, 1 << 17):          # inline (on the agreement board, one node) and through the schedule
+    for settings in ({"all": "raise"}, {}):
+        v = np.ones(n, np.float16)
+        v[0] = 60000.0
+        avg = np.full(n, 1e-7, np.float16)
+        try:
+            with np.errstate(**settings), warnings.catch_warnings():
+                warnings.simplefilter("error")
+                comm.Allreduce(ddl.IN_PLACE, v)
+                comm.Iallreduce(ddl.IN_PLACE, avg, op=ddl.AVG).Wait()
+        except Exception as exc:
+            chk.fail(f"an overflow in a float16 Allreduce of {n} under np.errstate({settings}): "
+                     f"{type(exc).__name__}: {exc}")
+        chk.ok(np.isinf(v[0]) and np.all(v[1:] == p), f"float16 overflow, {n}: {v[:3]}")
+        chk.same_everywhere(f"float16 AVG of subnormals, {n}", avg)
+still_works("floating-point exceptions")
+
+# ---- what a call leaves behind: the last call's views at most, never every array ever passed ------------------
+import gc  # noqa: E402
+import weakref  # noqa: E402
+refs = []
+for i in range(12):
+    n = 20000 + i        # a plan per size, above the inline limit and within the view cache's
+    s_, o_ = np.full(n, r + 1.0), np.empty(n)
+    comm.Allreduce([s_, n], [o_, n])     # (a list spec: Allreduce's argument cache keeps no reference)
+    chk.ok(np.all(o_ == p * (p + 1) / 2), f"Allreduce of {n}")
+    refs += [weakref.ref(s_), weakref.ref(o_)]
+    del s_, o_
+gc.collect()
+alive = sum(ref() is not None for ref in refs)
+chk.ok(alive <= 2, f"{alive} of the {len(refs)} arrays passed to 12 Allreduce calls of different sizes are still "
+                   f"alive after the calls returned and the caller dropped them (the last call's two at most)")
+
 # ---- buffer spec forms -------------------------------------------------------------------------------
 a = np.arange(8, dtype=np.float32) + r
 out = np.zeros(8, np.float32)
@@ -380,6 +451,20 @@ d = np.full(4, r, np.float64)
 outd = np.empty(4)
 comm.Allreduce([d, np.dtype(np.float64)], [outd, "d"], op="max")
 chk.ok(np.all(outd == last), "numpy dtype / char code / string op")
+# a buffer format numpy cannot read (ctypes' long double is '<g'): a reduction refuses it on every rank (it
+# summed raw bytes), unless the spec names the dtype; a collective that only moves bytes takes it as it is
+import ctypes  # noqa: E402
+ld = (ctypes.c_longdouble * 2)(1.5, 2.5)
+expect(ddl.Error, lambda: comm.Allreduce(ddl.IN_PLACE, ld), "buffer format '<g'", "cannot reduce it", "[buf, dtype]",
+       label="Allreduce of a ctypes long double array")
+comm.Allreduce(ddl.IN_PLACE, [ld, np.longdouble])
+chk.ok(list(ld) == [1.5 * p, 2.5 * p], f"Allreduce of [ctypes long double array, numpy.longdouble]: {list(ld)}")
+ld = (ctypes.c_longdouble * 3)(r, r + 0.5, r)
+comm.Bcast([ld, 2], root=last)                  # the count counts its items, not bytes
+chk.ok(list(ld) == [last, last + 0.5, r], f"Bcast of 2 items of a ctypes long double array: {list(ld)}")
+ptrs = (ctypes.c_void_p * p)()
+comm.Allgather((ctypes.c_void_p * 1)(r + 7), ptrs)
+chk.ok(list(ptrs) == [q + 7 for q in range(p)], f"Allgather of ctypes pointers: {list(ptrs)}")
 bytes_in = np.full(8, r, np.uint8)
 bo = np.empty(8 * p, np.uint8)
 comm.Allgather([bytes_in, MPI.BYTE], [bo, MPI.BYTE])
@@ -387,7 +472,7 @@ chk.ok(np.array_equal(bo, np.repeat(np.arange(p, dtype=np.uint8), 8)), "MPI.BYTE
 
 # ---- check modes ------------------------------------------------------------------------------------
 for mode in ("new", "off"):
-    c3 = ddl.Communicator(WORLD, check=mode)
+    c3 = ddl.Communicator(WORLD, check=mode, stall_timeout=5)
     for i in range(3):  # "new": the first call of a signature is checked, the repeats are not
         v = np.full(5, r + i, np.int32)
         c3.Allreduce(ddl.IN_PLACE, v)
@@ -399,6 +484,14 @@ for mode in ("new", "off"):
         v = np.ones(5, np.int32)
         c3.Allreduce(ddl.IN_PLACE, v)
         chk.ok(np.all(v == p), "check=new after a mismatch")
+        # the corrected call: the ranks whose call had been right have "seen" it, but their call failed too,
+        # so it is checked on every rank (it once was only on rank 0, which then waited in a check alone)
+        v = np.ones(10, np.int16)
+        try:
+            c3.Allreduce(ddl.IN_PLACE, v)
+        except ddl.Error as exc:
+            chk.fail(f"check=new: retrying the corrected call after a mismatch raised {type(exc).__name__}: {exc}")
+        chk.ok(np.all(v == p), f"check=new: the corrected call after a mismatch: {v}")
     c3.Free()
 expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check must be one of", label="bad check")
 

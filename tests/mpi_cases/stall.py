@@ -6,6 +6,10 @@ Scenario 1 (agreement phase): the last rank sleeps before calling Allreduce.
 Scenario 2 (data phase, check="off"): the last rank starts Iallreduce, then sleeps without driving it.
 Scenario 3 (polling): the last rank sleeps before calling; the others poll ``Test`` with a short
 computation between polls, longer than 0.5 s but under half the stall warning: that time counts.
+In scenarios 1 and 3 the last rank arrives after the others gave up: it raises StallError too, naming them
+(on the shared-memory board it once agreed with the rows they had abandoned, and computed a result alone).
+Scenario 4 (a local failure): a reduction raises on the last rank (simulated): that error is its call's,
+its communicator refuses further calls, and the others' StallError says it failed in it.
 Every rank prints one line per scenario: ``STALL<k> rank <r>: <message>`` (or ``NOSTALL<k>``).
 """
 import os
@@ -62,9 +66,31 @@ def sleep_longer_then_call(comm, buf):
     comm.Allreduce(ddl.IN_PLACE, buf)
 
 
+def failing_reduction(comm, buf):
+    import ddl.executor as executor
+    real = executor._combine
+
+    def fail(ufunc, views):
+        raise RuntimeError("simulated failure of a reduction")
+    executor._combine = fail
+    big = np.ones(1 << 16, np.float32)       # above the inline limit: the schedule runs, with reductions
+    try:
+        comm.Allreduce(ddl.IN_PLACE, big)
+    except RuntimeError as exc:
+        print(f"FAILED4 rank {RANK}: {exc}", flush=True)
+    finally:
+        executor._combine = real
+    t0 = time.monotonic()
+    try:
+        comm.Allreduce(ddl.IN_PLACE, buf)
+    except ddl.Error as exc:
+        print(f"REFUSED4 rank {RANK} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
+
+
 scenario(1, "always", sleep_then_call)
 scenario(2, "off", start_then_sleep)
 scenario(3, "always", sleep_longer_then_call, poll_with_compute, warn=1.5, timeout=2.5)
+scenario(4, "always", failing_reduction, lambda comm, buf: comm.Allreduce(ddl.IN_PLACE, np.ones(1 << 16, np.float32)))
 WORLD.Barrier()
 if RANK == 0:
     print("DONE", flush=True)
