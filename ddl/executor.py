@@ -989,9 +989,7 @@ class Engine:
 
     def wait(self, ex):
         """Drive all in-flight collectives until ``ex`` is done; raise its error, if any."""
-        if not ex.done:
-            self._resume()
-            self._drive_until(None, ex)
+        self.settle(ex)
         if ex.error is not None:
             self._deliver(ex)
 
