@@ -272,7 +272,7 @@ def test_run_refuses_a_timeout_that_is_not_a_positive_number(value, fake_run, tm
 
 def test_stopping_a_job_is_bounded_when_an_interrupt_left_the_wait_lock_held(monkeypatch):
     """A second Ctrl-C landing inside subprocess's own wait can leave its lock held; every later
-    unbounded ``wait()`` then hangs, and ``ddl emulate run`` with it, cluster up. ``_stop`` must
+    unbounded ``wait()`` then hangs, and ``ddl emulate run`` with it, cluster up. ``stop`` must
     return anyway, having killed the job (the teardown then ends what is left in the namespaces)."""
     # raising=False: before the fix the grace was a fixed 5 s, and this test is to show that code
     # hanging, not failing on a missing name
@@ -281,7 +281,7 @@ def test_stopping_a_job_is_bounded_when_an_interrupt_left_the_wait_lock_held(mon
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"          # SIGTERM is ignored from here on
     assert proc._waitpid_lock.acquire(timeout=5)        # what the interrupted wait left behind
-    stopper = threading.Thread(target=launch._stop, args=(proc,), daemon=True)
+    stopper = threading.Thread(target=launch.stop, args=(proc,), daemon=True)
     try:
         stopper.start()
         stopper.join(timeout=20)
@@ -291,7 +291,7 @@ def test_stopping_a_job_is_bounded_when_an_interrupt_left_the_wait_lock_held(mon
     assert proc.wait(timeout=10) == -signal.SIGKILL    # it ignored SIGTERM, so it was killed
     proc.stdout.close()
     stopper.join(timeout=10)
-    assert returned, "_stop hung on the held wait lock"
+    assert returned, "stop hung on the held wait lock"
 
 
 BENCH_JOB = textwrap.dedent("""

@@ -236,6 +236,7 @@ def _child(cmd):
     Ctrl-C (which the terminal sends it too) is followed by SIGTERM; either way it gets CHILD_GRACE
     seconds before it is killed, and this process then ends as the signal says (143 for SIGTERM).
     """
+    from ..emulate.launch import stop
     from .emulate import signals_as_interrupt
     proc = subprocess.Popen(cmd)
     caught = signals_as_interrupt()
@@ -244,25 +245,10 @@ def _child(cmd):
             status = proc.wait()
         return 128 - status if status < 0 else status   # killed by signal N: 128 + N, as a shell says
     except KeyboardInterrupt:
-        proc.send_signal(caught.signum or signal.SIGTERM)
-        _wait_or_kill(proc)
+        if not stop(proc, caught.signum or signal.SIGTERM, CHILD_GRACE):
+            print(f"ddl bench: the launched job did not end {CHILD_GRACE:.0f} s after the signal and was "
+                  "killed (an emulated cluster may be left up: remove it with `ddl emulate down FILE`)",
+                  file=sys.stderr, flush=True)
         if caught.signum is None:
             raise
         return 128 + caught.signum
-
-
-def _wait_or_kill(proc):
-    """Give the job CHILD_GRACE seconds to end, then kill it; every wait bounded (see ``launch._stop``)."""
-    try:
-        proc.wait(timeout=CHILD_GRACE)
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    print(f"ddl bench: the launched job did not end {CHILD_GRACE:.0f} s after the signal and was killed "
-          "(an emulated cluster may be left up: remove it with `ddl emulate down FILE`)",
-          file=sys.stderr, flush=True)
-    proc.kill()
-    try:
-        proc.wait(timeout=CHILD_GRACE)
-    except subprocess.TimeoutExpired:
-        pass

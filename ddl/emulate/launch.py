@@ -23,6 +23,7 @@ How, and why:
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -144,31 +145,35 @@ def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=Non
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop(proc)
         raise Error(f"MPI job `{' '.join(argv)}` did not finish in {timeout:.0f} s; it was stopped") from None
     except BaseException:
-        _stop(proc)
+        stop(proc)
         raise
     return subprocess.CompletedProcess(full, proc.returncode, out, err)
 
 
 STOP_GRACE = 5.0
-"""Seconds mpiexec gets to end after SIGTERM, and again after SIGKILL, before :func:`_stop` moves on."""
+"""Seconds mpiexec gets to end after SIGTERM, and again after SIGKILL, before :func:`stop` moves on."""
 
 
-def _stop(proc):
-    """End mpiexec (it then ends its proxies and ranks); the cluster teardown catches stragglers.
+def stop(proc, signum=signal.SIGTERM, grace=None):
+    """End ``proc`` (mpiexec, which then ends its proxies and ranks; the cluster teardown catches
+    stragglers): ``signum``, then SIGKILL if it has not ended ``grace`` seconds (default STOP_GRACE)
+    later. Returns whether it ended without SIGKILL.
 
     Every wait is bounded: a second Ctrl-C that lands inside subprocess's own wait can leave that wait's
     lock held, and an unbounded ``wait()`` then never returns, so the teardown, which ends whatever is
     still running in the namespaces by PID, would never run.
     """
-    for send in (proc.terminate, proc.kill):
+    grace = STOP_GRACE if grace is None else grace
+    for sig in (signum, signal.SIGKILL):
         if proc.poll() is not None:
-            return
-        send()
+            return sig == signum
+        proc.send_signal(sig)
         try:
-            proc.wait(timeout=STOP_GRACE)
-            return
+            proc.wait(timeout=grace)
+            return sig == signum
         except subprocess.TimeoutExpired:
             pass
+    return False
