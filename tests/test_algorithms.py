@@ -423,6 +423,9 @@ def test_more_messages_must_earn_a_margin_only_where_they_cost_nothing():
     assert replaces(0.98, 900, 1.0, 600) and not replaces(0.995, 900, 1.0, 600)
     assert replaces(0.995, 600, 1.0, 900) and replaces(0.995, 900, 1.0, 600, message_cost=2e-6)
     assert not replaces(1.0, 600, 1.0, 900)                      # a tie keeps the first
+    # with the margin, fewer messages or charged ones earn no exemption
+    assert not replaces(0.995, 600, 1.0, 900, margin=True) and not replaces(0.995, 900, 1.0, 600, 2e-6, True)
+    assert replaces(0.98, 600, 1.0, 900, 2e-6, margin=True)
 
 
 @pytest.mark.parametrize("name,stages,waves,leaders", [("dgx-a100-2x8", [2, 1], 8, False),

@@ -172,7 +172,7 @@ from ..schedule import ScheduleBuilder
 from ..simulate import load_seconds, simulate
 from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
-from .variants import CHOOSE_VARIANTS_OPS, MIN_VARIANT_GAIN, replaces
+from .variants import CHOOSE_VARIANTS_OPS, replaces
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
@@ -557,15 +557,14 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
 
     def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False):
         """Build and simulate a variant; keep it if it replaces the one kept (with ``margin``, only if
-        :data:`MIN_VARIANT_GAIN` faster, whatever its messages)."""
+        :data:`~ddl.algorithms.variants.MIN_VARIANT_GAIN` faster, whatever its messages)."""
         nonlocal kept
         sched = build(tiers, k, lift, exchange, balanced, leaders)
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
                       "leaders": leaders, "operations": sched.nops, "seconds": seconds})
-        if kept is None or (seconds < kept[0] * (1 - MIN_VARIANT_GAIN) if margin else
-                            replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost)):
+        if kept is None or replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost, margin):
             kept = (seconds, tiers, sched)
         return seconds
 

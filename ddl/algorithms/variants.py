@@ -22,6 +22,9 @@ def variant_gain(ops, kept_ops, message_cost=0.0):
     return MIN_VARIANT_GAIN if ops > kept_ops and not message_cost else 1e-9
 
 
-def replaces(seconds, ops, kept_seconds, kept_ops, message_cost=0.0):
-    """Whether a variant predicted at ``seconds`` with ``ops`` operations replaces the one kept."""
-    return seconds < kept_seconds * (1 - variant_gain(ops, kept_ops, message_cost))
+def replaces(seconds, ops, kept_seconds, kept_ops, message_cost=0.0, margin=False):
+    """Whether a variant predicted at ``seconds`` with ``ops`` operations replaces the one kept;
+    ``margin``: only if :data:`MIN_VARIANT_GAIN` faster, whatever its messages (a choice that narrows
+    what is tried next must earn it)."""
+    gain = MIN_VARIANT_GAIN if margin else variant_gain(ops, kept_ops, message_cost)
+    return seconds < kept_seconds * (1 - gain)
