@@ -20,6 +20,7 @@ import difflib
 import itertools
 import json
 import math
+import operator
 import pathlib
 import reprlib
 from collections import namedtuple
@@ -162,9 +163,9 @@ def _parse_yaml(text, source):
         problem = exc.problem or exc.context or "invalid YAML"
         if isinstance(exc, _DuplicateKey):
             raise TopologyError(f"{problem}{where}", source) from None
-        raise TopologyError(f"YAML syntax error{where}: {problem}; check the indentation, colons and "
-                            f"brackets there (quote strings that contain ': ', '#', '{{' or '[')",
-                            source) from None
+        raise TopologyError(f"YAML syntax error{where}: {problem}{_tab_hint(text, mark)}; check the "
+                            f"indentation, colons and brackets there (quote strings that contain ': ', '#', "
+                            f"'{{' or '[')", source) from None
     except yaml.reader.ReaderError as exc:    # a character YAML does not allow, at a position, not a line
         line = text.count("\n", 0, exc.position) + 1
         column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
@@ -173,6 +174,28 @@ def _parse_yaml(text, source):
                             f"YAML ({exc.reason}); remove it or save the file as plain text", source) from None
     except yaml.YAMLError as exc:
         raise TopologyError(f"YAML error: {exc}", source) from None
+    except ValueError as exc:      # int('9' * 5000): Python reads at most 4300 digits (sys.int_info)
+        raise _too_long(exc, source) from None
+
+
+def _tab_hint(text, mark):
+    """YAML refuses a tab in indentation with "found character that cannot start any token", and a
+    tab looks like spaces in most editors: say it is one."""
+    if mark is None:
+        return ""
+    lines = text.splitlines()
+    line = lines[mark.line] if mark.line < len(lines) else ""
+    if line[mark.column:mark.column + 1] != "\t":
+        return ""
+    return " (a tab: YAML indents with spaces only, replace the tabs with spaces)"
+
+
+def _too_long(exc, source):
+    """The error for a number Python refuses to read (more than 4300 digits), which both YAML and JSON
+    raise as a bare ValueError, without a line."""
+    return TopologyError(f"a number in the file has too many digits to read ({str(exc).split(';')[0]}); a "
+                         f"topology's numbers have a few digits: check for a run of digits pasted by mistake",
+                         source)
 
 
 def _parse_json(text, source):
@@ -192,6 +215,10 @@ def _parse_json(text, source):
     except json.JSONDecodeError as exc:
         raise TopologyError(f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
                             "check commas, quotes and brackets there", source) from None
+    except TopologyError:           # a key given twice (a ValueError too)
+        raise
+    except ValueError as exc:       # int('9' * 5000): Python reads at most 4300 digits
+        raise _too_long(exc, source) from None
 
 
 def write(data, path):
@@ -342,9 +369,9 @@ def _link(entry, default_latency, where, label):
     bandwidth = _bandwidth(entry["bandwidth"], where, label, "bandwidth")
     latency = entry.get("latency")
     latency = default_latency if latency is None else _latency(latency, where, label)
-    count = entry.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        _fail(where, label, f"count must be a whole number >= 1 (parallel links), not {count!r}")
+    count = _whole(entry.get("count", 1))
+    if count is None or count < 1:
+        _fail(where, label, f"count must be a whole number >= 1 (parallel links), not {entry['count']!r}")
     if count > MAX_REPEATS or not math.isfinite(bandwidth * count):
         _fail(where, label, f"count {count} of {bandwidth:g} B/s links is more than a fabric can hold; at most "
                             f"{MAX_REPEATS} parallel links of finite total bandwidth")
@@ -352,6 +379,17 @@ def _link(entry, default_latency, where, label):
     if not isinstance(directed, bool):
         _fail(where, label, f"directed must be true or false, not {directed!r}")
     return Link(a, b, bandwidth, latency, count, directed)
+
+
+def _whole(value):
+    """``value`` as an int when it is a whole number, Python's or numpy's (np.int64 is no int), else
+    None; a bool is no count (True would be 1)."""
+    if isinstance(value, (bool, str)) or not hasattr(value, "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:           # numpy's bool has __index__, and refuses it
+        return None
 
 
 def _ranks(entries, label_of, where):
@@ -404,20 +442,27 @@ def _expand(section, entries, where):
 def _repeat(entry, where, label):
     """Every repetition of a ``for:`` entry, labelled ``links[3] (i=2, j=5)``."""
     names, values = _loop_variables(entry["for"], where, label)
-    count = math.prod(len(v) for v in values)
+    sizes = [v.stop if isinstance(v, range) else len(v) for v in values]   # len() of range(10**23) overflows
+    count = math.prod(sizes)
     if count > MAX_REPEATS:
         _fail(where, label, f"for: repeats this entry {count} times; at most {MAX_REPEATS} (check the counts: "
-                            f"{', '.join(f'{n}: {len(v)}' for n, v in zip(names, values))})")
+                            f"{', '.join(f'{n}: {size}' for n, size in zip(names, sizes))})")
     body = {key: value for key, value in entry.items() if key != "for"}
     out = []
     for combo in itertools.product(*values):
         env = dict(zip(names, combo, strict=True))
-        tag = ", ".join(f"{n}={v}" for n, v in env.items())
-        try:
-            out.append((f"{label} ({tag})", _fill(body, env, where, label)))
-        except RecursionError:
-            _fail(where, label, "the entry is nested too deeply to be a topology entry")
+        tag = ", ".join(f"{n}={_loop_value_text(v)}" for n, v in env.items())
+        out.append((f"{label} ({tag})", _fill(body, env, where, label)))
     return out
+
+
+def _loop_value_text(value):
+    """A loop variable's value in a label (``p=[0, 1]``), lists and mappings cut short: a YAML alias
+    there can stand for gigabytes of nested lists, which ``str`` would build whole."""
+    if not isinstance(value, (list, dict)):
+        return f"{value}"
+    text = _SHORT.repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _loop_variables(spec, where, label):
@@ -437,22 +482,25 @@ def _loop_variables(spec, where, label):
     return names, values
 
 
-def _fill(value, env, where, label):
-    """Format every string inside ``value`` with the loop variables."""
-    if isinstance(value, str):
-        try:
-            return value.format(**env)
-        except KeyError as exc:
-            _fail(where, label, f"template {value!r} uses {{{exc.args[0]}}}, which is not a for: "
-                                f"variable (have {', '.join(env)}); fix the name or add it to for:")
-        except (IndexError, ValueError, TypeError, AttributeError) as exc:
-            _fail(where, label, f"cannot fill template {value!r} ({exc}); templates are Python "
-                                f"str.format strings such as 'h{{i}}/gpu{{p[0]}}'")
-    if isinstance(value, list):
-        return [_fill(v, env, where, label) for v in value]
-    if isinstance(value, dict):
-        return {k: _fill(v, env, where, label) for k, v in value.items()}
-    return value
+def _fill(body, env, where, label):
+    """Format every string value of an entry's ``body`` with the loop variables. Only the values
+    themselves: every key of an entry takes a scalar, and a list or mapping there (refused later, and
+    described short) may be a YAML alias standing for gigabytes, not to be walked or copied whole."""
+    return {key: _fill_string(value, env, where, label) if isinstance(value, str) else value
+            for key, value in body.items()}
+
+
+def _fill_string(value, env, where, label):
+    try:
+        return value.format(**env)
+    except KeyError as exc:
+        _fail(where, label, f"template {value!r} uses {{{exc.args[0]}}}, which is not a for: "
+                            f"variable (have {', '.join(env)}); fix the name or add it to for:")
+    except (IndexError, ValueError, TypeError, AttributeError) as exc:
+        _fail(where, label, f"cannot fill template {value!r} ({exc}); templates are Python "
+                            f"str.format strings such as 'h{{i}}/gpu{{p[0]}}'")
+    except RecursionError:          # '{p}' of a list nested thousands deep (from a dict, not a file)
+        _fail(where, label, "the entry is nested too deeply to be a topology entry")
 
 
 # ---------------------------------------------------------------------------------- hierarchy form
@@ -498,9 +546,10 @@ def _tier(entry, k, where):
                             f"not {_a(entry)}")
     _check_keys(entry, TIER_KEYS, where, label, "a tier")
     name = _optional_string(entry, "name", where, label)
-    count = entry.get("count")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        _fail(where, label, f"count must be a whole number >= 1 (children per parent), not {count!r}")
+    count = _whole(entry.get("count"))
+    if count is None or count < 1:
+        _fail(where, label, f"count must be a whole number >= 1 (children per parent), "
+                            f"not {entry.get('count')!r}")
     if "bandwidth" not in entry:
         _fail(where, label, "missing key 'bandwidth'; add the link bandwidth to the parent, e.g. 100 Gbit/s")
     bandwidth = _bandwidth(entry["bandwidth"], where, label, "bandwidth")
@@ -626,13 +675,26 @@ def _string(entry, key, where, label, what):
     if not isinstance(value, str) or not value:
         hint = f"; quote it: {key}: \"{value}\"" if isinstance(value, (int, float)) else ""
         _fail(where, label or key, f"{key} must be a non-empty string, not {_a(value)}{hint}")
-    return value
+    return _text(value, key, where, label)
 
 
 def _optional_string(entry, key, where, label=None):
     value = entry.get(key)
     if value is not None and not isinstance(value, str):
         _fail(where, label or key, f"{key} must be a string, not {_a(value)}")
+    return value if value is None else _text(value, key, where, label)
+
+
+def _text(value, key, where, label):
+    """``value`` when it is text: YAML's and JSON's escape '\\ud800' makes a string with half of a
+    UTF-16 pair, which no file can hold and the topology's fingerprint (sha256 of UTF-8) cannot
+    encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        _fail(where, label or key, f"{key} {_SHORT.repr(value)} contains an unpaired surrogate "
+                                   f"({value[exc.start]!r}, half of a UTF-16 pair); write the character "
+                                   f"itself or its pair, e.g. '\\ud83d\\ude80'")
     return value
 
 

@@ -2,8 +2,9 @@
 
 Bandwidths are stored in bytes per second, latencies in seconds and sizes in bytes, as floats (ints for
 sizes). Units follow the usual convention: a capital ``B`` is a byte, a lower-case ``b`` or ``bit`` is a
-bit; ``k M G T`` are decimal, ``Ki Mi Gi Ti`` binary.
+bit; ``k M G T`` are decimal, ``Ki Mi Gi Ti`` binary (sizes, up to 1 EiB, also take ``P E Pi Ei``).
 """
+import numbers
 import operator
 import re
 
@@ -13,7 +14,9 @@ _LATENCY = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 _BANDWIDTH_RE = re.compile(rf"^\s*{_NUMBER}\s*(Ki|Mi|Gi|Ti|k|K|M|G|T|)(B|b|bit|bits)(?:/s|ps)\s*$")
 _LATENCY_RE = re.compile(rf"^\s*{_NUMBER}\s*(ns|us|µs|μs|ms|s)\s*$")
-_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(Ki|Mi|Gi|Ti|k|K|M|G|T|)(B?)\s*$")
+# Sizes go up to MAX_SIZE, 1 EiB, so they also take P and E (Pi, Ei); bandwidths stop at T (README).
+_SIZE_PREFIX = {**_PREFIX, "P": 10**15, "E": 10**18, "Pi": 2**50, "Ei": 2**60}
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(Ki|Mi|Gi|Ti|Pi|Ei|k|K|M|G|T|P|E|)(B?)\s*$")
 
 BANDWIDTH_UNITS = "B/s kB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s bit/s kbit/s Mbit/s Gbit/s Tbit/s Gb/s Mb/s"
 LATENCY_UNITS = "ns us µs ms s"
@@ -35,7 +38,7 @@ def parse_bandwidth(text):
     """``'25 GB/s'`` -> 25e9 bytes/s; ``'100 Gbit/s'`` or ``'100 Gb/s'`` -> 12.5e9. Plain numbers are bytes/s."""
     if isinstance(text, bool):
         raise ValueError(f"bandwidth {text!r} is not a number with a unit ({BANDWIDTH_UNITS})")
-    if isinstance(text, (int, float)):
+    if _is_number(text):
         return float(text)
     m = _BANDWIDTH_RE.match(str(text))
     if not m:
@@ -50,7 +53,7 @@ def parse_latency(text):
     """``'1 us'`` -> 1e-6 seconds. Plain numbers are seconds."""
     if isinstance(text, bool):
         raise ValueError(f"latency {text!r} is not a number with a unit ({LATENCY_UNITS})")
-    if isinstance(text, (int, float)):
+    if _is_number(text):
         return float(text)
     m = _LATENCY_RE.match(str(text))
     if not m:
@@ -59,17 +62,27 @@ def parse_latency(text):
     return float(m.group(1)) * _LATENCY[m.group(2)]
 
 
+def _is_number(value):
+    """A plain number: Python's or numpy's (np.int64, np.float32 are not int or float, and their text
+    has no unit), never a bool (which is an int)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 MAX_SIZE = 1 << 60   # 1 EiB: sizes beyond it are typing mistakes (1e400 is infinity, 1e300 a file name too long)
 
 
 def parse_size(text):
-    """``'256MiB'`` -> 268435456, ``'64MB'`` -> 64000000, ``'1048576'`` -> 1048576 bytes."""
+    """``'256MiB'`` -> 268435456, ``'64MB'`` -> 64000000, ``'1048576'`` -> 1048576 bytes. An int is
+    bytes as given (a negative one is left to the caller), up to MAX_SIZE like the text."""
     if isinstance(text, int) and not isinstance(text, bool):
+        if text > MAX_SIZE:     # as its text would be: a planner's float arithmetic overflows on 10**400
+            shown = repr(text) if text < 10**40 else f"of {text.bit_length()} bits"   # repr(10**5000) fails
+            raise ValueError(f"size {shown} is beyond 1 EiB: write bytes, e.g. 64MiB or 2GiB")
         return text
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise ValueError(f"cannot parse size {text!r}: write bytes, e.g. 1048576, 64MB or 256MiB")
-    number, prefix = m.group(1), _PREFIX[m.group(2)]
+        raise ValueError(f"cannot parse size {text!r}: write bytes, e.g. 1048576, 64MB, 256MiB or 1EiB")
+    number, prefix = m.group(1), _SIZE_PREFIX[m.group(2)]
     # whole numbers exactly (a float would round 2**60 + 1 to 2**60), others through a float
     value = int(number) * int(prefix) if number.isdigit() else float(number) * prefix
     if not value <= MAX_SIZE:
