@@ -222,6 +222,14 @@ class CupyRuntime:
     def scale(self, dtype, ptr, count, divisor, stream):
         self.kernels.scale(dtype, ptr, count, divisor, stream)
 
+    def prepare(self, op, dtype, widths, average):
+        """Compile (on this device) the kernels a plan launches, before its collective starts."""
+        if op is not None:
+            for k in widths:
+                self.kernels.reduce_kernel(op, dtype, k)
+        if average:
+            self.kernels.scale_kernel(dtype)
+
     def synchronize(self, stream):
         stream.synchronize()
 
@@ -295,6 +303,9 @@ class HostRuntime:
 
     def synchronize(self, stream):
         pass
+
+    def prepare(self, op, dtype, widths, average):
+        _numpy_dtype(dtype)    # bfloat16 without ml_dtypes: refused before the collective, not in it
 
     def alloc(self, nbytes, stream):
         return _HostAlloc(nbytes)
@@ -422,9 +433,6 @@ class DeviceRequest:
 
 
 # ---- the executor -----------------------------------------------------------------------------------------
-_REFUSED = "refused"      # the dtype word of a refused call's description in the device agreement
-
-
 # A device collective's entry: an exception before the call reached an agreement is announced
 # (NcclExecutor._refuse), then raised, as on the host (ddl.agreement.announced).
 _announced = functools.partial(announced, counter="_entered", refuse="_refuse")
@@ -458,6 +466,7 @@ class NcclExecutor:
         self._buffers = OrderedDict()
         self._pinned = {}
         self._digests = {}
+        self._prepared = {}
         self._freed = False
         self._entered = 0         # calls that reached the agreement (see _announced)
 
@@ -599,19 +608,51 @@ class NcclExecutor:
             rt = self.runtime
             mems = []
             scratch = work = 0
-            if lp.scratch_bytes:
-                m = rt.alloc(lp.scratch_bytes + 32, stream)
-                mems.append(m)
-                scratch = -(-m.ptr // 16) * 16 + align_to % 16
-            if lp.work_bytes:
-                m = rt.alloc(lp.work_bytes + 32, stream)
-                mems.append(m)
-                work = -(-m.ptr // 16) * 16 + align_to % 16
+            try:
+                if lp.scratch_bytes:
+                    m = rt.alloc(lp.scratch_bytes + 32, stream)
+                    mems.append(m)
+                    scratch = -(-m.ptr // 16) * 16 + align_to % 16
+                if lp.work_bytes:
+                    m = rt.alloc(lp.work_bytes + 32, stream)
+                    mems.append(m)
+                    work = -(-m.ptr // 16) * 16 + align_to % 16
+            except Error:
+                raise
+            except Exception as exc:   # e.g. cupy's OutOfMemoryError: a ddl error, announced to the peers
+                raise Error(f"cannot allocate the device workspace of this collective ({lp.scratch_bytes} B "
+                            f"scratch, {lp.work_bytes} B work): {type(exc).__name__}: {exc}") from exc
             entry = (lp, scratch, work, mems)
             self._buffers[key] = entry
             if len(self._buffers) > 8:
                 self._buffers.popitem(last=False)
         return entry[1], entry[2]
+
+    def _prepare(self, lp, kop, dt, op):
+        """Have the runtime ready the kernels ``lp`` will launch (CuPy: compile them), once per plan."""
+        prepare = getattr(self.runtime, "prepare", None)
+        if prepare is None or (kop is None and not (op is not None and op.average)):
+            return
+        key = (id(lp), kop, dt.name, bool(op is not None and op.average))
+        if self._prepared.get(key) is lp:
+            return
+        from .kernels import MAX_INPUTS
+        widths = set()
+        for r in lp.reductions:
+            n = len(r.inputs)
+            while n > MAX_INPUTS:
+                widths.add(MAX_INPUTS)
+                n -= MAX_INPUTS
+            widths.add(n)
+        try:
+            prepare(kop, dt, sorted(widths), bool(op is not None and op.average and self.size > 1))
+        except Error:
+            raise
+        except Exception as exc:
+            raise Error(f"cannot prepare the GPU kernels of this collective: {type(exc).__name__}: {exc}") from exc
+        self._prepared[key] = lp
+        if len(self._prepared) > 256:
+            self._prepared.pop(next(iter(self._prepared)))
 
     def _check_device(self, *bufs):
         rt = self.runtime
@@ -627,55 +668,47 @@ class NcclExecutor:
                             f"per rank, selected before the first collective")
 
     def _agree(self, collective, count, dt, op, root, sched):
-        """Cross-rank check of the call (skipped with check='off'): a mismatch raises MismatchError on
-        every rank before any data moves (NCCL has no tags: a mismatch would hang or corrupt).
-        ``sched`` None: this rank refused the call (see :meth:`_refuse`)."""
+        """Cross-rank check of the call (skipped with check='off'), in the ddl communicator's own
+        agreement: a device call takes a sequence number there like a host call, so a mismatch --
+        arguments, or a rank that passed host buffers to this call -- raises MismatchError on every
+        rank before any data moves (NCCL has no tags: a mismatch would hang or corrupt), and a rank
+        that does not arrive gives StallError after ``stall_timeout`` (its give-up marked for a late
+        rank), not a hang."""
         self._entered += 1
-        if self.size == 1 or getattr(self.comm, "check", "always") == "off":
+        c = self.comm
+        if self.size == 1 or getattr(c, "check", "always") == "off":
             return
-        from mpi4py import MPI
-
-        from ..agreement import digest62
-        if sched is None:
-            desc, digest = (collective, -1, _REFUSED, "-", -1), 0
-        else:
-            entry = self._digests.get(id(sched))
-            if entry is None or entry[0] is not sched:
-                entry = self._digests[id(sched)] = (sched, digest62(sched.to_json()))
-            desc, digest = (collective, int(count), dt.name, op.name if op is not None else "-", int(root)), entry[1]
-        h = digest62(*desc, digest)
-        buf = np.array([h, -h], np.int64)
-        out = np.empty(2, np.int64)
-        self._mcomm.Allreduce(buf, out, MPI.MAX)
-        if out[0] == -out[1]:
-            return
-        table = self._mcomm.allgather(desc)
-        groups = {}
-        for r, d in enumerate(table):
-            groups.setdefault(d, []).append(r)
-        parts = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} called {d[0]} "
-                 + ("with arguments it refused (its own error says why)" if d[2] == _REFUSED else
-                    f"with {d[1]} {d[2]} (op {d[3]}, root {d[4]})") for d, rs in groups.items()]
-        raise MismatchError("ranks disagree on a device collective: " + "; ".join(parts))
+        from ..agreement import COLLECTIVE_CODES, COLLECTIVE_NAMES, Signature, digest62
+        entry = self._digests.get(id(sched))
+        if entry is None or entry[0] is not sched:
+            entry = self._digests[id(sched)] = (sched, digest62(sched.to_json()))
+            if len(self._digests) > 256:
+                self._digests.pop(next(iter(self._digests)))
+        npdt = dt.numpy if dt.numpy is not None else np.dtype(f"u{dt.itemsize}")
+        # the schedule word says "on device buffers": a host call of the same arguments differs there
+        sig = Signature(collective, int(count), npdt, op, int(root), digest62("device", dt.name, entry[1]),
+                        c._topology_digest, c.check)
+        name = COLLECTIVE_NAMES[COLLECTIVE_CODES[collective]]
+        label = f"{name}({int(count)} x {dt.name}{f', {op.name}' if op is not None else ''}) on device buffers"
+        try:
+            c._engine.wait(c._agreement_only(sig, label))
+        except MismatchError as exc:
+            exc.add_note("ddl: this rank called it on device buffers; a rank that passed host (numpy) buffers "
+                         "to the same call differs in its schedule")
+            raise
 
     def _refuse(self, collective, exc):
         """This rank refused a ``collective`` call (``exc``) before it reached the agreement: enter the
-        refusal where the other ranks wait for this call -- the host communicator's agreement on the
-        host-staged path, the device agreement otherwise (after the path choice, itself collective) --
-        so that they raise MismatchError at once instead of blocking in MPI."""
+        refusal in the ddl communicator's agreement, where the other ranks wait for this call (after
+        the path choice, itself collective, so that the ranks stay in step on a first call), so that
+        they raise MismatchError at once instead of blocking."""
         if self.size == 1 or self._freed:
             return
         try:
-            staged = self._choose_path() == "host-staged"
+            self._choose_path()
         except Exception:          # no runtime to choose with: nothing more to say than exc
             return
-        if staged:
-            self.comm._announce_refusal(collective, exc)
-            return
-        try:
-            self._agree(collective, -1, None, None, -1, None)
-        except MismatchError:
-            exc.add_note("ddl: the other ranks were told; those that called correctly raise MismatchError")
+        self.comm._announce_refusal(collective, exc)
 
     # ---- the collectives -----------------------------------------------------------------------------------
     def _run(self, layout, send, recv, count, op, root, stream, sig_count):
@@ -709,15 +742,19 @@ class NcclExecutor:
         s = rt.stream(stream)
         self._check_device(send, recv)
         sched, lp = self._launch_plan(layout, count, dt, root)
+        kop = "SUM" if op is not None and op.average else (op.name if op is not None else None)
+        # everything that may fail on one rank alone (allocation, kernel compilation) before the
+        # agreement: a failure is then announced as a refusal, instead of leaving the peers blocked
+        # in the transfers of a plan this rank abandoned
+        scratch, work = self._workspace(lp, s, recv.ptr)
+        self._prepare(lp, kop, dt, op)
         self._agree(collective, sig_count, dt, op, root, sched)
         for b in (send, recv):
             if b is not None and b.stream is not None:
                 rt.wait_stream(s, b.stream)
-        scratch, work = self._workspace(lp, s, recv.ptr)
         ptrs = {SEND_BUF: send.ptr if send is not None else 0, RECV_BUF: recv.ptr, WORK_BUF: work,
                 SCRATCH_BUF: scratch}
         transport = NcclTransport(self._nccl) if path == "nccl" else MpiTransport(self._mcomm, rt)
-        kop = "SUM" if op is not None and op.average else (op.name if op is not None else None)
         run_plan(lp, ptrs, transport, rt, kop, dt, s)
         self._finish(layout, recv, count, op, rt, s)
         if path == "nccl":
