@@ -80,6 +80,7 @@ def dbt_schedule(order, collective, k=1, root=0, algorithm=NAME, **info):
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root, SUPPORTED)
+    root = int(root)           # a numpy integer would reach info["tree_parents"], which JSON cannot write
     halves = (list(range(k)), list(range(k, 2 * k)))
     if collective == "allreduce":
         b = ScheduleBuilder(collective, p, (1,) * (2 * k), algorithm=algorithm)

@@ -164,5 +164,8 @@ def halving_doubling(topo, collective, *, root=0, nbytes=None):
     m = 1 << (p.bit_length() - 1)
     k = pipeline_depth(nbytes, m if collective == "allreduce" else p)
     spans = k >= SPAN_MIN_WAVES or 4 * m * (m - 1) * k > MAX_SCHEDULE_OPS
-    most = max(1, int(SPAN_BYTES * m * k // nbytes)) if nbytes and spans else 1
+    # spans of at most SPAN_BYTES; of any length where the size is unknown (k is then 1, and spans are
+    # wanted only for the operation budget): a message per chunk there was a million operations at 512
+    # ranks, where any known size got spans
+    most = (max(1, int(SPAN_BYTES * m * k // nbytes)) if nbytes else None) if spans else 1
     return halving_doubling_schedule(order, collective, k, span_chunks=most)

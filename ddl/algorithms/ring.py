@@ -39,11 +39,16 @@ def pipeline_depth(nbytes, pieces=1, min_bytes=MIN_CHUNK_BYTES, max_k=MAX_PIPELI
 
 
 def check_request(name, collective, nranks, root, supported=COLLECTIVES):
-    """Raise :class:`PlanError` unless ``name`` can plan ``collective`` rooted at ``root``."""
+    """Raise :class:`PlanError` unless ``name`` can plan ``collective`` rooted at ``root``. A root must
+    be a rank number, as the planner requires (an integer, numpy's included; not a bool, a float or
+    text): a float or None would otherwise fail deep in a builder with a ValueError or TypeError, and
+    ``1.0`` or ``True`` become a schedule's root. Builders take ``int(root)`` after this check."""
     if collective not in supported:
         raise PlanError(f"{name} does not support {collective!r} (it plans {', '.join(supported)})")
     if nranks < 1:
         raise PlanError(f"{name} does not support an empty communicator")
+    if isinstance(root, (bool, str)) or not hasattr(root, "__index__"):
+        raise PlanError(f"{name}: root must be a rank number, got {root!r}")
     if not 0 <= root < nranks:
         raise PlanError(f"{name}: root {root} is not a rank of {nranks}")
 
@@ -265,6 +270,7 @@ def ring_schedule(order, collective, k=1, root=0, algorithm=NAME, **info):
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
+    root = int(root)
     if collective == "allreduce":
         b = ScheduleBuilder(collective, p, (1,) * (p * k), algorithm=algorithm)
         blocks = chunk_blocks(range(p), k)       # ring position j ends owning buffer block j

@@ -63,7 +63,12 @@ def ring_channels(topo, collective, *, root=0, nbytes=None):
 
 def ring_ops(p, collective):
     """Operations of one ring channel of ``p`` ranks, a chunk per ring block: a send and a receive per
-    step, ``p - 1`` steps each way for an allreduce."""
+    rank and step, ``p - 1`` steps each way for an allreduce. A broadcast is a chain, one transfer per
+    step: counted as a ring it was ``p`` times too many, which declined broadcasts past 362 ranks that
+    take a few thousand operations and held the pipelining of large ones below what the budget
+    allows."""
+    if collective == "broadcast":
+        return 2 * (p - 1)
     return 2 * p * (p - 1) * (2 if collective == "allreduce" else 1)
 
 
@@ -220,6 +225,8 @@ def channels_schedule(orders, weights, collective, k=1, root=0, algorithm=NAME, 
     orders = [[int(r) for r in order] for order in orders]
     p = len(orders[0])
     check_request(algorithm, collective, p, root)
+    # only a broadcast has a root: another collective's schedule must not depend on the one asked with
+    root = int(root) if collective == "broadcast" else 0
     ks = [int(k)] * len(orders) if isinstance(k, int) else [int(x) for x in k]
     rings = p if collective == "allreduce" else 1      # ring blocks per channel within one buffer block
     scale = lcm(*ks)
