@@ -59,6 +59,7 @@ COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4
 REFUSED = 16   # collective code + REFUSED: a call whose arguments its rank refused (see refusal)
 GROUPED = 32   # collective code + GROUPED: the arrays of a grouped call (see grouped)
 GAVE_UP = 64   # the collective code of a board row whose rank gave up on it (see ShmBoard.give_up)
+DEVICE = 128   # collective code + DEVICE: a communicator's first call on device buffers (see device_start)
 CHECK_MODES = ("always", "new", "off")
 _MASK62 = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -135,6 +136,17 @@ def refusal(collective, topology_digest, mode="always"):
     return sig
 
 
+def device_start(collective, topology_digest, mode="always"):
+    """The signature a rank posts before its communicator's first call on device buffers: making the
+    device executor is collective (an MPI communicator is duplicated), so a rank that passed host
+    buffers to the same call would leave the others blocked in it. Agreeing first makes that a
+    MismatchError on every rank; ranks that all pass device buffers agree and go on."""
+    sig = Signature("barrier", 0, None, None, 0, 0, topology_digest, mode)
+    sig.vector[_COLL] = COLLECTIVE_CODES[collective] + DEVICE
+    sig.base = digest62(*sig.vector[1:].tolist())
+    return sig
+
+
 def grouped(arrays, op, topology_digest, mode="always"):
     """The signature of a grouped allreduce's arrays, which its ranks agree on before its collectives
     start: they run one collective per dtype, so ranks that passed different dtypes would otherwise
@@ -176,6 +188,10 @@ def _refused(vec):
     return REFUSED < int(vec[_COLL]) < GROUPED
 
 
+def _device_start(vec):
+    return DEVICE < int(vec[_COLL])
+
+
 def check_buffer(sig_hash):
     """int64[4]: ``[h, -h]`` to send and two slots for the MAX-reduced result."""
     buf = np.empty(4, np.int64)
@@ -204,6 +220,9 @@ def describe(vec, several=False):
                 f"{name} with arguments it refused (its own error says why)")
     if int(vec[_COLL]) == GAVE_UP:
         return "this collective, then gave up on it (StallError)"
+    if _device_start(vec):
+        name = COLLECTIVE_NAMES.get(int(vec[_COLL]) - DEVICE, "a collective")
+        return f"{name} on device buffers (GPU arrays; host buffers must be host buffers on every rank)"
     if _grouped(vec):
         ndtypes = int(vec[_ROOT])
         return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in {ndtypes} "
@@ -258,7 +277,8 @@ def mismatch_error(table, seq, rank):
         groups.setdefault(tuple(int(x) for x in row), []).append(r)
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
     rows = list(groups)
-    refused = any(_refused(v) for v in rows)   # then what differs is that: no field list, no digests
+    # a refusal, or device buffers against host ones: what differs is that (no field list, no digests)
+    refused = any(_refused(v) or _device_start(v) for v in rows)
     # The schedule follows from the call (its size class, root ...): it is news only where the calls agree.
     call_differs = any(len({row[idx] for row in rows}) > 1 for idx in _CALL_FIELDS)
     parts = []

@@ -56,7 +56,8 @@ import os
 
 import numpy as np
 
-from .agreement import CHECK_MODES, ShmBoard, Signature, announced, digest62, format_ranks, grouped, refusal
+from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, device_start, digest62, format_ranks, grouped,
+                        refusal)
 from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
@@ -643,16 +644,22 @@ class Communicator:
         return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size, blocking)
 
     # ---- device buffers ----------------------------------------------------------------------------
-    def _device_for(self, *bufs):
+    def _device_for(self, collective, *bufs):
         """The device executor when a buffer lives on a GPU (CuPy, torch CUDA, anything with
         ``__cuda_array_interface__`` or DLPack), else None. Created on first use; creating it is
-        collective, so every rank must pass device buffers to the same call."""
+        collective, so the ranks first agree that they all passed device buffers to this call (unless
+        check="off"): a rank that passed host buffers raises MismatchError with the others, instead
+        of leaving them blocked in the creation."""
         if type(bufs[-1]) is not np.ndarray:   # a numpy output buffer is the host path's hot case
             for buf in bufs:
                 if buf is not None and not is_in_place(buf) and is_device_buffer(buf):
                     if self._freed:
                         raise Error("this ddl.Communicator was freed")
                     if self._device is None:
+                        if self.size > 1 and self.check != "off":
+                            self._engine.wait(self._agreement_only(
+                                device_start(collective, self._topology_digest, self.check),
+                                f"{_LABEL[collective]} (the first on device buffers)"))
                         from .gpu.executor import NcclExecutor
                         self._device = NcclExecutor(self)
                     return self._device
@@ -664,52 +671,52 @@ class Communicator:
     # on ``stream`` when given, else on CuPy's current stream; host buffers ignore ``stream``.
     def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         """``recvbuf = op(sendbuf of every rank)``; ``sendbuf`` may be ``ddl.IN_PLACE``."""
-        dev = self._device_for(sendbuf, recvbuf)
+        dev = self._device_for("allreduce", sendbuf, recvbuf)
         if dev is not None:
             return dev.Allreduce(sendbuf, recvbuf, op=op, stream=stream)
         self._engine.wait(self._allreduce_start(sendbuf, recvbuf, op, blocking=True))
 
     def Iallreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
-        dev = self._device_for(sendbuf, recvbuf)
+        dev = self._device_for("allreduce", sendbuf, recvbuf)
         if dev is not None:
             return dev.Iallreduce(sendbuf, recvbuf, op=op, stream=stream)
         return Request(self._allreduce_start(sendbuf, recvbuf, op), self._engine)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Rank r gets block r (``n`` elements) of ``op`` over every rank's ``sendbuf`` (``size*n``)."""
-        dev = self._device_for(sendbuf, recvbuf)
+        dev = self._device_for("reduce_scatter", sendbuf, recvbuf)
         if dev is not None:
             return dev.Reduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
         self._engine.wait(self._reduce_scatter_start(sendbuf, recvbuf, op, blocking=True))
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
-        dev = self._device_for(sendbuf, recvbuf)
+        dev = self._device_for("reduce_scatter", sendbuf, recvbuf)
         if dev is not None:
             return dev.Ireduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
         return Request(self._reduce_scatter_start(sendbuf, recvbuf, op), self._engine)
 
     def Allgather(self, sendbuf, recvbuf, stream=None):
         """Block r of ``recvbuf`` (``size*n`` elements) gets rank r's ``sendbuf`` (``n``)."""
-        dev = self._device_for(sendbuf, recvbuf)
+        dev = self._device_for("allgather", sendbuf, recvbuf)
         if dev is not None:
             return dev.Allgather(sendbuf, recvbuf, stream=stream)
         self._engine.wait(self._allgather_start(sendbuf, recvbuf, blocking=True))
 
     def Iallgather(self, sendbuf, recvbuf, stream=None):
-        dev = self._device_for(sendbuf, recvbuf)
+        dev = self._device_for("allgather", sendbuf, recvbuf)
         if dev is not None:
             return dev.Iallgather(sendbuf, recvbuf, stream=stream)
         return Request(self._allgather_start(sendbuf, recvbuf), self._engine)
 
     def Bcast(self, buf, root=0, stream=None):
         """Every rank's ``buf`` gets ``root``'s."""
-        dev = self._device_for(buf)
+        dev = self._device_for("broadcast", buf)
         if dev is not None:
             return dev.Bcast(buf, root=root, stream=stream)
         self._engine.wait(self._bcast_start(buf, root, blocking=True))
 
     def Ibcast(self, buf, root=0, stream=None):
-        dev = self._device_for(buf)
+        dev = self._device_for("broadcast", buf)
         if dev is not None:
             return dev.Ibcast(buf, root=root, stream=stream)
         return Request(self._bcast_start(buf, root), self._engine)

@@ -64,6 +64,16 @@ _SCRIPT = textwrap.dedent('''
         out = allreduce()                       # the communicator stays usable and in step
         assert (out == np.arange(8) * size).all(), (rank, what, out)
 
+    if case == "first-call":
+        # the communicator's first call on device buffers makes its device executor, collectively:
+        # rank 1 passing host buffers to it is a MismatchError everywhere, not ranks blocked in the making
+        try:
+            allreduce(host=rank == 1)
+            raise SystemExit(f"rank {rank}: no MismatchError")
+        except ddl.MismatchError as exc:
+            assert "on device buffers" in str(exc), (rank, exc)
+        assert comm._device is None, rank
+        assert (allreduce(host=True) == np.arange(8) * size).all(), rank    # still in step
     comm._device = ex                           # device buffers go to the executor on host memory
     allreduce()
     if case == "one-rank-fails":
@@ -124,3 +134,11 @@ def test_device_call_a_rank_does_not_join_gives_stall_error(tmp_path):
     """The device agreement was a blocking MPI_Allreduce without a stall watchdog: a missing rank
     blocked the others forever, stall_timeout or not."""
     _run(tmp_path, "absent", 2, 25)
+
+
+@pytest.mark.timeout(60)
+def test_first_device_call_with_host_buffers_on_one_rank_is_a_mismatch(tmp_path):
+    """Making the device executor (at a communicator's first call on device buffers) is collective: a
+    rank that passed host buffers to that call left the others blocked in it forever while it raised
+    StallError. The ranks now agree first: MismatchError on every rank, and the communicator goes on."""
+    _run(tmp_path, "first-call", 3, 30)
