@@ -36,6 +36,12 @@ few hops on fast tiers, and flow cycles vanish. Each commodity's flow is then de
 destination (widest edge first, cycles and numerical dust cancelled); shares below 1e-6 are dropped
 and the rest renormalised. HiGHS' simplex returns a vertex of the polytope, so few pairs are split.
 
+Numerics. HiGHS works to absolute tolerances (1e-7) and drops matrix entries below 1e-9, so the LP is
+solved in well-scaled units: each commodity's flow as fractions of its total (destinations of a source
+a thousandfold apart in demand form separate commodities), capacity rows as link times (divided by
+``cap(e)``; rows in bytes where capacities are over 1e15 apart). Routes that come out more than 1e-3
+slower than the LP's optimum, or a failed solve, raise :class:`PlanError` naming the ranges involved.
+
 Phases. A hierarchical schedule's stages run one after the other, so what matters is the sum of the
 stages' bottleneck times, not the bottleneck of their sum. :func:`schedule_phases` places every
 transfer in its earliest synchronous round of the dataflow and merges rounds with proportional
@@ -82,6 +88,8 @@ SIM_OPS_LIMIT = 6000       # schedules with at most this many ops are simulated 
 IMPROVEMENT = 1e-6         # the LP must beat the base routing's bottleneck by this much (relative)
 REFERENCE_BYTES = 1 << 30  # buffer size assumed for decisions when nbytes is None (bandwidth regime)
 MAX_PHASES = 64            # more distinct traffic phases than this: one aggregate phase
+DEMAND_DECADES = 3         # a source's destinations share a commodity within this many orders of magnitude
+MAX_EXCESS = 1e-3          # LP routes slower than the LP's optimum by more than this: a numerical failure
 _CACHE_SIZE = 64           # routings and fabrics kept per process
 _PLAN_CACHE_SIZE = 16      # schedules kept per process (a 192-rank ring has ~150k operations)
 
@@ -285,9 +293,13 @@ class _Problem:
         groups = {}
         for (s, d), total in sorted(self.demands.items()):
             profile = tuple(pattern.get((s, d), 0.0) / total for _, pattern in self.phases)
-            key = (s, tuple(float(f"{x:.9g}") for x in profile))
+            # destinations a thousandfold apart in demand do not share a commodity: the LP's rows are
+            # in fractions of a commodity's total, and a destination at a billionth of it would be lost
+            # within HiGHS' tolerances (routed nowhere)
+            magnitude = math.floor(math.log10(total) / DEMAND_DECADES)
+            key = (s, tuple(float(f"{x:.9g}") for x in profile), magnitude)
             groups.setdefault(key, ({}, profile))[0][d] = total
-        return [(s, dests, profile) for (s, _), (dests, profile) in groups.items()]
+        return [(s, dests, profile) for (s, _, _), (dests, profile) in groups.items()]
 
     # ---- the two LPs ---------------------------------------------------------------------------
     def solve(self):
@@ -299,6 +311,7 @@ class _Problem:
         scale = float(totals.max())
         cmax = float(fab.cap.max())
         ncap = fab.cap / cmax
+        weight_of = totals / scale             # a commodity's flow variables are fractions of its total
 
         com_edges = [np.array(self._commodity_edges(s, dests), dtype=np.int64) for s, dests, _ in coms]
         sizes = np.array([len(x) for x in com_edges], dtype=np.int64)
@@ -319,31 +332,43 @@ class _Problem:
         b_eq = np.zeros(len(row_keys))
         row_of = {int(k): i for i, k in enumerate(row_keys)}
         for k, (s, dests, _) in enumerate(coms):
-            b_eq[row_of[k * nv + fab.vindex[topo.ranks[s]]]] = totals[k] / scale
+            b_eq[row_of[k * nv + fab.vindex[topo.ranks[s]]]] = 1.0
             for d, b in dests.items():
-                b_eq[row_of[k * nv + fab.vindex[topo.ranks[d]]]] = -b / scale
+                b_eq[row_of[k * nv + fab.vindex[topo.ranks[d]]]] = -b / totals[k]
 
         # capacity rows, per phase: sum_c profile_c(phase) x_c(e) <= cap(e) T_phase, for the links
-        # that the commodities active in the phase may use
+        # that the commodities active in the phase may use. First each row divided by cap(e) (T's
+        # coefficient -1): HiGHS drops matrix entries below 1e-9, so a link a billion times slower
+        # than the fastest would lose its capacity term, the LP turning "infeasible" where that link is
+        # needed; and its tolerances then bound every link's time rather than its bytes. Where that
+        # form's entries pass HiGHS' ceiling (1e15: capacities that far apart), rows in bytes: the
+        # slowest links drop out, harmless where faster paths exist (the check below catches the rest)
         profiles = np.array([profile for _, _, profile in coms]).reshape(len(coms), nphase)
-        rows, cols, vals, nrows = [], [], [], 0
-        for ph in range(nphase):
-            beta = profiles[var_com, ph]
-            active = np.flatnonzero(beta > 0)
-            used, erow = np.unique(var_edge[active], return_inverse=True)
-            rows += [erow + nrows, np.arange(len(used)) + nrows]
-            cols += [active, np.full(len(used), nx_ + ph)]
-            vals += [beta[active], -ncap[used]]
-            nrows += len(used)
-        a_ub = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                             shape=(nrows, nvar))
-        b_ub = np.zeros(nrows)
-
         c1 = np.zeros(nvar)
         c1[nx_:] = weights
-        res = linprog(c1, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
-        if res.status != 0 or res.x is None:
-            raise PlanError(f"{NAME}: the routing LP failed ({res.message.strip()})")
+        for per_time in (True, False):
+            rows, cols, vals, nrows = [], [], [], 0
+            for ph in range(nphase):
+                beta = profiles[var_com, ph] * weight_of[var_com]
+                active = np.flatnonzero(beta > 0)
+                used, erow = np.unique(var_edge[active], return_inverse=True)
+                rows += [erow + nrows, np.arange(len(used)) + nrows]
+                cols += [active, np.full(len(used), nx_ + ph)]
+                if per_time:
+                    vals += [beta[active] / ncap[var_edge[active]], -np.ones(len(used))]
+                else:
+                    vals += [beta[active], -ncap[used]]
+                nrows += len(used)
+            a_ub = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                                 shape=(nrows, nvar))
+            b_ub = np.zeros(nrows)
+            res = linprog(c1, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
+            if res.status == 0 and res.x is not None:
+                break
+        else:
+            # every demand has a path and T is free: the LP is feasible and bounded, so a failure is
+            # numerical (or a limit), and the ranges involved say why
+            raise PlanError(f"{NAME}: the routing LP failed ({res.message.strip()}); {self._ranges()}")
         opt = float(res.fun)
         x = res.x
 
@@ -352,7 +377,7 @@ class _Problem:
         pos = lat[lat > 0]
         lat_ref = float(pos.min()) if len(pos) else 1.0
         cost = 1.0 + lat / lat_ref + float(fab.cap.min()) / fab.cap
-        c2 = np.concatenate([cost[var_edge], np.zeros(nphase)])
+        c2 = np.concatenate([cost[var_edge] * weight_of[var_com], np.zeros(nphase)])
         a_ub2 = sp.vstack([a_ub, sp.csr_matrix(c1)]).tocsr()
         b_ub2 = np.concatenate([b_ub, [opt * (1 + T_SLACK) + 1e-12]])
         res2 = linprog(c2, A_ub=a_ub2, b_ub=b_ub2, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
@@ -362,11 +387,25 @@ class _Problem:
         routes = {}
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         for k, (s, dests, _) in enumerate(coms):
-            routes.update(_decompose(fab, topo, s, dests, scale, com_edges[k], x[offsets[k]:offsets[k + 1]]))
+            routes.update(_decompose(fab, topo, s, dests, totals[k], com_edges[k], x[offsets[k]:offsets[k + 1]]))
 
         seconds = opt * scale / cmax
         util = _phased_time(topo, self.phases, routes) / seconds if seconds > 0 else 0.0
+        # the routes must realise the optimum they were solved for (up to the dropped shares and the
+        # second LP's slack): anything else is HiGHS working past its tolerances, and a route that
+        # puts a sliver of traffic on a link a billion times slower would be silently wrong
+        if not (seconds > 0 and util <= 1 + MAX_EXCESS):
+            raise PlanError(f"{NAME}: the routing LP is numerically unreliable (its routes take "
+                            f"{util:.6g} times its optimum); {self._ranges()}")
         return Routing(routes, seconds, _link_loads(self.demands, routes), float(util))
+
+    def _ranges(self):
+        """What makes the LP hard for a floating-point solver: the spread of capacities and demands."""
+        cap = self.fabric.cap
+        dem = np.array(list(self.demands.values()))
+        return (f"link capacities span {cap.min():.3g} to {cap.max():.3g} bytes/s and demands "
+                f"{dem.min():.3g} to {dem.max():.3g}: {math.log10(cap.max() / cap.min()):.0f} and "
+                f"{math.log10(dem.max() / dem.min()):.0f} orders of magnitude")
 
 
 def _reach(start, adjacency, other_end):
@@ -633,8 +672,9 @@ def multicommodity_flow(topo, collective, *, root=0, nbytes=None, bases=BASES):
     :data:`ddl.algorithms.ALGORITHMS` to consider (those not registered are skipped). Cached per
     topology, collective, root, size and bases."""
     check_request(NAME, collective, topo.nranks, root)
+    nbytes = _check_nbytes(nbytes)
     bases = tuple(bases)
-    key = (topo.fingerprint, collective, int(root), None if nbytes is None else int(nbytes), bases)
+    key = (topo.fingerprint, collective, int(root), nbytes, bases)
     if key in _PLAN_CACHE:
         _PLAN_CACHE.move_to_end(key)
         return _PLAN_CACHE[key]
@@ -704,6 +744,25 @@ def multicommodity_flow(topo, collective, *, root=0, nbytes=None, bases=BASES):
     }
     sched = _with_routes(base, routes, NAME, _jsonable(info))
     return _remember(_PLAN_CACHE, key, sched, _PLAN_CACHE_SIZE)
+
+
+def _check_nbytes(nbytes):
+    """``nbytes`` as a Python int (None stays None), or :class:`PlanError`. A size must be a whole,
+    finite, non-negative number of bytes: NaN or infinity failed in ``int()`` with a ValueError or
+    OverflowError, a negative size reached the simulator (a ScheduleError), text a TypeError deep in a
+    base, and 1.5 shared the cache entry of 1 (the key held ``int(nbytes)``) while the bases saw 1.5."""
+    if nbytes is None:
+        return None
+    if isinstance(nbytes, (bool, str, bytes)):
+        raise PlanError(f"{NAME}: nbytes must be a number of bytes, got {nbytes!r}")
+    try:
+        value = float(nbytes)
+        whole = int(nbytes)
+    except (TypeError, ValueError, OverflowError):
+        raise PlanError(f"{NAME}: nbytes must be a finite number of bytes, got {nbytes!r}") from None
+    if not value >= 0 or whole != nbytes:
+        raise PlanError(f"{NAME}: nbytes must be a whole non-negative number of bytes, got {nbytes!r}")
+    return whole
 
 
 def repeats_a_base(topo):
