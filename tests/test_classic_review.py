@@ -14,6 +14,7 @@ from ddl.planner import flat_topology
 from ddl.simulate import simulate
 from ddl.topology import Topology
 from ddl.verify import verify
+from test_algorithms import ring_beside_switch
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 CLASSIC = {
@@ -42,18 +43,6 @@ def nic_hosts(sizes, nvlink="300 GB/s", nic="25 GB/s"):
             ranks.append(f"h{h}/gpu{g}")
     return Topology.from_dict({"name": "nics-" + "-".join(map(str, sizes)), "nodes": nodes, "links": links,
                                "ranks": ranks})
-
-
-def ring_beside_switch(p):
-    """``p`` ranks on one switch (10 GB/s), ring neighbours also joined directly (25 GB/s): ring-channels
-    runs the direct ring both ways round and a third ring over the switch."""
-    pairs = sorted({tuple(sorted((i, (i + 1) % p))) for i in range(p)})
-    return Topology.from_dict({
-        "name": f"ring-beside-switch-{p}",
-        "nodes": [{"id": "sw", "kind": "switch"}] + [{"id": f"g{i}", "kind": "gpu"} for i in range(p)],
-        "links": [{"a": f"g{i}", "b": "sw", "bandwidth": "10 GB/s"} for i in range(p)]
-                 + [{"a": f"g{a}", "b": f"g{b}", "bandwidth": "25 GB/s"} for a, b in pairs],
-        "ranks": [f"g{i}" for i in range(p)]})
 
 
 def topology_for(name, p):

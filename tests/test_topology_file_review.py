@@ -1,7 +1,6 @@
 """Review of ddl.units and ddl.topology_file: bad input that used to escape as a Python traceback (or
 be accepted silently), each with the smallest reproduction."""
 import json
-import time
 
 import numpy as np
 import pytest
@@ -10,15 +9,7 @@ from ddl import TopologyError
 from ddl.planner import flat_topology, Planner
 from ddl.topology import Topology
 from ddl.units import MAX_SIZE, message_size, parse_bandwidth, parse_latency, parse_size
-
-
-def pair(bandwidth="10 GB/s", **link):
-    """Two GPUs on a switch; `link` overrides keys of the first link."""
-    return {"name": "pair",
-            "nodes": [{"id": "sw", "kind": "switch"}, {"id": "g0", "kind": "gpu"}, {"id": "g1", "kind": "gpu"}],
-            "links": [{"a": "g0", "b": "sw", "bandwidth": bandwidth, **link},
-                      {"a": "g1", "b": "sw", "bandwidth": "10 GB/s"}],
-            "ranks": ["g0", "g1"]}
+from test_topology_format import pair
 
 
 def load_error(tmp_path, text, name="topo.yaml"):
@@ -139,6 +130,7 @@ def test_an_unpaired_surrogate_in_an_id_is_refused(tmp_path):
         Topology.from_dict({**pair(), "description": "\ud800"})
 
 
+@pytest.mark.timeout(30)   # the bomb below took minutes to walk before (10x a level: 4.7 s at 7 levels, 45 s at 8)
 def test_a_yaml_alias_bomb_in_a_for_entry_is_refused_fast(tmp_path):
     """`for:` filled every string nested in the entry, walking YAML aliases whole: 8 levels of 9 took
     about 45 s (10x per level) before the entry was refused for a host that is not a string."""
@@ -146,21 +138,19 @@ def test_a_yaml_alias_bomb_in_a_for_entry_is_refused_fast(tmp_path):
     levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
     text = (f"name: t\nnodes:\n  - {{id: 'x{{i}}', kind: gpu, host: [{', '.join(levels)}], for: {{i: 2}}}}\n"
             "links: []\nranks: [x0]\n")
-    start = time.perf_counter()
     err = load_error(tmp_path, text)
-    assert time.perf_counter() - start < 5
     assert err.entry == "nodes[0] (i=0)" and "host must be a non-empty string, not a list" in str(err)
 
 
+@pytest.mark.timeout(30)
 def test_a_yaml_alias_bomb_as_a_for_value_is_labelled_short(tmp_path):
     """The label of each repetition showed every loop value whole ('p=[[[...'), built in full."""
     levels = ['&a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
     text = (f"name: t\nnodes:\n  - {{id: 'x', kind: gpu, host: 3, for: {{i: 1, p: [[{', '.join(levels)}]]}}}}\n"
             "links: []\nranks: [x]\n")
-    start = time.perf_counter()
     err = load_error(tmp_path, text)
-    assert time.perf_counter() - start < 5 and len(str(err)) < 400
+    assert len(str(err)) < 400
     assert err.entry.startswith("nodes[0] (i=0, p=[['x', 'x'") and err.entry.endswith("...)")
     assert "host must be a non-empty string" in str(err)
 
