@@ -438,10 +438,16 @@ def _env():
 
 def _ddl(err, *args, **kw):
     """Start ``ddl ARGS``, its stderr to file ``err``: not a pipe, which a child it failed to end
-    would hold open, and a test would wait on."""
+    would hold open, and a test would wait on. Ctrl-C is at its default, as from a terminal: a test
+    run started in the background by a shell (``make test &``) inherits SIGINT ignored, and ddl then
+    rightly ignores it too."""
     with open(err, "w") as stream:
         return subprocess.Popen([sys.executable, "-m", "ddl", *args], cwd=ROOT, env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=stream, **kw)
+                                stdout=subprocess.DEVNULL, stderr=stream, preexec_fn=_default_sigint, **kw)
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(predicate, timeout, every=0.05):
