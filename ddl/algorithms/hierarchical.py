@@ -262,6 +262,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
         share = share_weights(p, stages) if balanced else (1,) * p
+        leaders = bool(leaders and stages)      # (a single rank has no stage, nor a group to lead)
         if leaders:
             share = leader_shares(share, stages[0], pos)
         chosen = [t for t in range(p) if share[t]]
@@ -502,15 +503,39 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
 
     pos = {r: i for i, r in enumerate(order)}
 
+    def chunks_per_wave(staged, balanced=False, leaders=False):
+        """The ``pieces`` :func:`wave_depth` counts in a wave of ``staged``'s stages: the smallest
+        target's share of the whole."""
+        share = share_weights(p, staged) if balanced else (1,) * p
+        if leaders:
+            share = leader_shares(share, staged[0], pos)
+        held = [w for w in share if w]
+        return pieces if collective != "allreduce" else -(-sum(held) // min(held))
+
     def build(tiers, k, lift=0, exchange=(), balanced=False, leaders=False):
+        """The schedule with the most spans (SPAN_PIECES) that keep its ``k`` waves within MAX_WAVE_OPS, or
+        with fewer waves where even the fewest spans do not. :func:`_ops_per_wave` only estimates (it
+        counts too few where groups are unequal or the lead splits a run: 617040 operations for 15 waves
+        on 2 GPUs x 96 hosts at 1 TiB), so the schedule built has the last word; every wave has as many
+        operations, so its count per wave tells how many waves fit."""
         staged = stage_partitions(p, tiers)
         bws = [tier_bw.get(groups) for groups in staged]
-        spans = next((q for q in SPAN_PIECES
-                      if k * _ops_per_wave(p, staged, collective, q, leaders) <= MAX_WAVE_OPS), SPAN_PIECES[-1])
-        return hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1, ramped=waved,
-                                     lift=lift, span_pieces=spans, lag=WAVE_LAG if waved else 0, exchange=exchange,
-                                     split=True, balanced=balanced, leaders=leaders,
-                                     stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
+        per_wave = {}                   # spans -> operations per wave, as built
+        while True:
+            for spans in SPAN_PIECES:
+                ops = per_wave.get(spans) or _ops_per_wave(p, staged, collective, spans, leaders)
+                if k * ops > MAX_WAVE_OPS and spans != SPAN_PIECES[-1]:
+                    continue
+                sched = hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1,
+                                              ramped=waved, lift=lift, span_pieces=spans,
+                                              lag=WAVE_LAG if waved else 0, exchange=exchange, split=True,
+                                              balanced=balanced, leaders=leaders,
+                                              stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
+                if not waved or k == 1 or sched.nops <= MAX_WAVE_OPS:
+                    return sched
+                per_wave[spans] = -(-sched.nops // k)
+            k, lift = wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders), per_wave[SPAN_PIECES[-1]],
+                                 k - 1)
 
     if not waved:
         return build(parts, pipeline_depth(nbytes, pieces))
@@ -523,12 +548,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE):
         """:func:`wave_depth` for ``tiers``' stages: its smallest chunk is the smallest target's share."""
         staged = stage_partitions(p, tiers)
-        share = share_weights(p, staged) if balanced else (1,) * p
-        if leaders:
-            share = leader_shares(share, staged[0], pos)
-        held = [w for w in share if w]
-        chunks = pieces if collective != "allreduce" else -(-sum(held) // min(held))
-        return wave_depth(nbytes, chunks, _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most)
+        return wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders),
+                          _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most)
 
     def funnels(tiers, balanced):
         """The first stages (by ring ``()``, then exchanging ``(1,)`` where its groups have more than two
@@ -561,6 +582,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         nonlocal kept
         sched = build(tiers, k, lift, exchange, balanced, leaders)
         seconds = simulate(topo, sched, nbytes).seconds
+        k, lift = sched.info["chunks_per_target"], sched.info["lift"]      # (fewer where the budget says so)
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
                       "leaders": leaders, "operations": sched.nops, "seconds": seconds})
@@ -614,7 +636,11 @@ def _ops_per_wave(p, stages, collective, span_pieces, leaders=False):
     each of its ``m`` diagonals (``m`` groups below the top) in ``1/m`` of the spans, a member of a
     later stage a message per target it holds (a part has one of them). With ``leaders`` only the
     leader of each first-stage group holds targets (all of them in the first stage's rings), and only
-    the leaders take part in the later stages."""
+    the leaders take part in the later stages. An estimate, not short on equal groups without the lead: a
+    rank of a small group holds targets of several places and joins as many rings (a one-GPU host among
+    hosts of eight: 1.4 times the count with 4 spans), and the lead sends a member's first block apart
+    from the rest of its run, which it may cut in two; ``build`` (in :func:`hierarchical`) counts the
+    schedule it builds."""
     if collective != "allreduce":
         return 2 * (p - 1) * (1 if collective == "broadcast" else p)
     m = len(stages[-2]) if len(stages) > 2 else 0
