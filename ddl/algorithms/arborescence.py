@@ -489,7 +489,9 @@ def rank_symmetries(graph, ranks):
     ident = {v: i for i, v in enumerate(names)}
     h = nx.DiGraph()
     for v in names:
-        h.add_node(ident[v], lab="rank" if v in rset else str(graph.nodes[v].get("kind", "")))
+        # a rank keeps its kind too (a GPU rank is no CPU rank: they reduce at different rates)
+        kind = str(graph.nodes[v].get("kind", ""))
+        h.add_node(ident[v], lab="rank:" + kind if v in rset else kind)
     for u, v, d in sorted(graph.edges(data=True), key=lambda e: (ident[e[0]], ident[e[1]])):
         h.add_edge(ident[u], ident[v], cap=repr(float(d.get("capacity", 0.0))))
     with warnings.catch_warnings():
@@ -627,7 +629,8 @@ def pack_arborescences(graph, ranks, roots=None, *, known_bound=None, tol=1e-9, 
     second phase that trades no bandwidth for shallower trees. ``symmetry``: when every rank is a
     root, solve one root per class of ranks exchanged by automorphisms (exact: averaging an optimum
     over the automorphism group gives one of that form). Returns a :class:`Packing`; raises
-    :class:`ddl.PlanError` when some rank cannot be reached from a root.
+    :class:`ddl.PlanError` when some rank cannot be reached from a root, or when link capacities lie
+    further apart than :data:`CAPACITY_SPAN` (see :func:`_capacity_unit`).
     """
     start = time.perf_counter()
     fabric = _Fabric(graph, ranks)
@@ -659,8 +662,8 @@ def pack_arborescences(graph, ranks, roots=None, *, known_bound=None, tol=1e-9, 
     reps = sorted(members)
     nclasses = len(reps)
 
-    scale = float(fabric.cap.max())
-    master = _Master(fabric.cap / scale, orbit_perms)   # capacities in units of the largest one
+    scale = _capacity_unit(fabric.cap)
+    master = _Master(fabric.cap / scale, orbit_perms)
 
     # initial columns: hop-shortest trees (Edmonds on hop counts) and breadth-first trees
     cost, pred = fabric.shortest(np.ones(nl))
@@ -738,6 +741,26 @@ def pack_arborescences(graph, ranks, roots=None, *, known_bound=None, tol=1e-9, 
     return Packing(roots, tstar / scale, min(best_lb, tstar) / scale, tuple(trees[r] for r in roots), fabric.links,
                    tuple(float(x) for x in loads), nclasses, iterations, len(columns),
                    time.perf_counter() - start, leveled / scale)
+
+
+CAPACITY_RANGE = 1e6   # capacities within this ratio of the largest one are measured in units of it
+CAPACITY_SPAN = 1e15   # the LP cannot tell capacities further apart than this
+
+
+def _capacity_unit(cap):
+    """The capacity the LP measures capacities in: the largest one, so that they lie in (0, 1], unless
+    the smallest is below 1 / CAPACITY_RANGE of it; then the geometric mean of the two, so that they
+    lie in [sqrt(min/max), sqrt(max/min)]. HiGHS drops matrix entries below 1e-9 (its
+    small_matrix_value): with 1 GB/s and 1 EB/s links in one fabric (the topology format allows
+    1 B/s to 1 EB/s) the slow links' entries vanished from the T column and the LP came back
+    "infeasible". Beyond CAPACITY_SPAN even the geometric mean leaves entries that small: PlanError."""
+    top, low = float(cap.max()), float(cap.min())
+    if low >= top / CAPACITY_RANGE:
+        return top
+    if low < top / CAPACITY_SPAN:
+        raise PlanError(f"tree packing: link capacities span {low:g} to {top:g} bytes/s, more than the "
+                        f"{CAPACITY_SPAN:g}:1 its LP solver can tell apart")
+    return math.sqrt(top * low)
 
 
 def _image(col, rank_map, perm):

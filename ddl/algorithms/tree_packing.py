@@ -75,6 +75,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import operator
 
 import networkx as nx
 import numpy as np
@@ -155,7 +156,7 @@ def _integer_weights(weights, grid=GRID):
 
 
 def _round_weights(packing, roots, graph):
-    """Integer tree weights on a coarse grid (16, 32, ... GRID steps per block): the merged pieces
+    """Integer tree weights on a coarse grid (16, 64, 256, 1024 or GRID steps per block): the merged pieces
     (the chunk pattern) stay few. The coarsest grid that costs at most ROUNDING_SLACK of bandwidth,
     unless its pieces would exceed the transfer budget (MAX_PIECE_TRANSFERS), in which case the grid within
     the budget that loses least. Returns ``({root: [ints]}, grid, relative bandwidth loss)``."""
@@ -270,6 +271,11 @@ def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
     if collective not in COLLECTIVES:
         raise PlanError(f"{name} does not support the collective {collective!r}; it plans {', '.join(COLLECTIVES)}")
     p = topo.nranks
+    # A root is a rank number (numpy's integers too), never a bool, a float or text: 1.5 or True
+    # passed the range check and became the schedule's root, None or "0" raised a bare TypeError.
+    if isinstance(root, (bool, str)) or not hasattr(root, "__index__"):
+        raise PlanError(f"{name}: root must be a rank number, got {root!r}")
+    root = operator.index(root)
     if not 0 <= root < p:
         raise PlanError(f"root {root} is not a rank (there are {p})")
     if direct and p > 1 and (why_not := direct_links(topo)[1]):
