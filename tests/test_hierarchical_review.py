@@ -266,3 +266,17 @@ def test_replaces_margin_rule():
     # symmetric: of two variants alike in messages, at most one replaces the other
     for a, b in ((0.99, 1.0), (1.0, 1.0), (0.5, 0.5000001)):
         assert not (replaces(a, 600, b, 600) and replaces(b, 600, a, 600))
+
+
+def test_variants_are_tried_where_only_one_wave_count_and_tier_set_fit():
+    """With one wave count and one set of tiers there was nothing to choose among them, and the
+    variants after them were skipped too: the 2 x 8 DGX A100 at 16 MiB kept its rings inside the box
+    (1.47 of the bound) where exchanging there directly is predicted 1.19."""
+    topo = Topology.load(ZOO / "dgx-a100-2x8.yaml")
+    nbytes = 16 << 20
+    sched = hier.hierarchical(topo, "allreduce", nbytes=nbytes)
+    tried = sched.info["variants_tried"]
+    assert [v["exchange"] for v in tried][:2] == [[], [1]], tried
+    assert sched.info["exchange_stages"] == [1]
+    verify(sched)
+    assert simulate(topo, sched, nbytes).seconds < 1.25 * lower_bound(topo, "allreduce", nbytes).seconds

@@ -604,8 +604,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         if (1,) in fits:
             led(*fastest[1], (1,))
 
-    if (not nbytes or (len(depths) == 1 and len(tier_sets) == 1)
-            or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS):      # every tier, as many waves as they allow
+    if not nbytes or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS:      # every tier, as many waves as they allow
         balanced = uneven(parts)
         if nbytes and depth(parts, balanced, True, WAVE_CAPS[-1])[0] > 1:   # leaders where they get waves
             consider_leaders(parts, balanced, WAVE_CAPS[-1:])
