@@ -75,7 +75,9 @@ def ring_packing(topo, collective, *, root=0, nbytes=None):
     check_request(NAME, collective, p, root)
     packed = pack_rings(topo)
     if isinstance(packed, PlanError):
-        raise packed
+        # a new error each time: the cached one, raised again, would pile every call's traceback onto
+        # itself and carry the exception an earlier caller was handling as its __context__
+        raise PlanError(str(packed))
     cycles, rates, routes, generated = packed
     return rated_channels(cycles, rates, collective, nbytes, root, RATE_STEPS, NAME, routes=routes,
                           rings_generated=generated)
