@@ -3,13 +3,13 @@
     mpiexec -n 8 python benchmarks/bench_overhead.py [--sizes 8,64MiB] [--iters 1000,20]
             [--check always] [--topology FILE] [--algorithm auto] [--profile]
 
-Each size runs ``--rounds`` rounds; a round times a block of back-to-back ddl calls, then a block of
+Each size runs at least ``--rounds`` rounds (more where a block of ``--block`` calls leaves calls over;
+fewer only where a size has fewer calls than rounds); a round times a block of back-to-back ddl calls, then a block of
 MPI calls (each block after a barrier; a call's time is the block time over its length, maximum over
 ranks). Alternating matters on a shared or oversubscribed machine: load that comes and goes hits both
 sides alike. The table shows medians over rounds and the ratio ddl / MPI. Targets: 8 B within 3x, 64 MiB within 1.3x. ``--profile`` runs ddl's
 first-size loop under cProfile on rank 0 and prints the top functions.
 """
-import argparse
 import sys
 import time
 
@@ -17,28 +17,35 @@ import numpy as np
 from mpi4py import MPI
 
 import ddl
-from ddl.units import format_size, parse_size
+from ddl.cli.argtypes import MPIParser, at_least, fail, list_of, numeric_dtype, size
+from ddl.units import format_size
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="8,64MiB", help="comma-separated message sizes (e.g. 8,1MiB,64MiB)")
-    ap.add_argument("--iters", default="1000,20", help="calls per size and side (one value, or one per size)")
-    ap.add_argument("--dtype", default="float32")
+    ap = MPIParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=list_of(size), default="8,64MiB",
+                    help="comma-separated message sizes (e.g. 8,1MiB,64MiB)")
+    ap.add_argument("--iters", type=list_of(at_least(1)), default="1000,20",
+                    help="calls per size and side (one value, or one per size)")
+    ap.add_argument("--dtype", type=numeric_dtype, default="float32")
     ap.add_argument("--topology", default=None)
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--check", default="always", choices=("always", "new", "off"))
-    ap.add_argument("--rounds", type=int, default=10, help="alternating ddl/MPI blocks per size (default 10)")
-    ap.add_argument("--block", type=int, default=50, help="calls per timed block, at most (default 50)")
+    ap.add_argument("--rounds", type=at_least(1), default=10,
+                    help="alternating ddl/MPI blocks per size, at least (default 10)")
+    ap.add_argument("--block", type=at_least(1), default=50, help="calls per timed block, at most (default 50)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
+    sizes, iters, dtype = args.sizes, args.iters, args.dtype
+    if len(iters) > len(sizes):
+        ap.error(f"--iters gives {len(iters)} values for {len(sizes)} sizes")
+    iters = iters + [iters[-1]] * (len(sizes) - len(iters))
 
     world = MPI.COMM_WORLD
-    comm = ddl.Communicator(world, topology=args.topology, algorithm=args.algorithm, check=args.check)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    iters = [int(i) for i in args.iters.split(",")]
-    iters = iters + [iters[-1]] * (len(sizes) - len(iters))
-    dtype = np.dtype(args.dtype)
+    try:
+        comm = ddl.Communicator(world, topology=args.topology, algorithm=args.algorithm, check=args.check)
+    except ddl.Error as exc:     # a topology file missing or for another rank count, an unknown algorithm
+        fail(exc)
     rows = []
     for nbytes, n_it in zip(sizes, iters):
         count = max(1, nbytes // dtype.itemsize)

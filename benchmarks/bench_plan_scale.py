@@ -10,9 +10,9 @@ import argparse
 import os
 import time
 
+from ddl.cli.argtypes import at_least, list_of, size
 from ddl.planner import Planner
 from ddl.topology import Topology
-from ddl.units import parse_size
 
 
 def three_tier(racks):
@@ -24,14 +24,15 @@ def three_tier(racks):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    ap.add_argument("--racks", default="3,4,8,16", help="comma-separated rack counts (64 ranks per rack)")
-    ap.add_argument("--bytes", default="256MiB")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    ap.add_argument("--racks", type=list_of(at_least(1)), default="3,4,8,16",
+                    help="comma-separated rack counts (64 ranks per rack)")
+    ap.add_argument("--bytes", type=size, default="256MiB")
+    ap.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1,
                     help="processes that simulate the candidates (default: one per core)")
     args = ap.parse_args(argv)
-    nbytes = parse_size(args.bytes)
+    nbytes = args.bytes
     print(f"{'ranks':>6} {'plan (s)':>9}  {'auto picks':<22} {'operations':>10} {'gap':>7}")
-    for racks in (int(r) for r in args.racks.split(",")):
+    for racks in args.racks:
         topo = three_tier(racks)
         t0 = time.perf_counter()
         plan = Planner(topo, use_disk_cache=False, workers=args.workers).plan("allreduce", nbytes)

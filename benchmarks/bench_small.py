@@ -7,13 +7,12 @@ block of MPI calls (after a barrier each; a call's time is the block time over i
 ranks); the table shows medians over rounds. On one node with ``algorithm="auto"`` these sizes take
 ddl's inline path (see ``Communicator.inline_bytes``); ``DDL_INLINE_BYTES=0`` shows the schedules.
 """
-import argparse
-
 import numpy as np
 from mpi4py import MPI
 
 import ddl
-from ddl.units import format_size, parse_size
+from ddl.cli.argtypes import MPIParser, at_least, fail, size
+from ddl.units import format_size
 
 
 def timed(world, fn, calls):
@@ -25,15 +24,18 @@ def timed(world, fn, calls):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bytes", default="8", help="per-rank input size (default 8)")
-    ap.add_argument("--iters", type=int, default=2000, help="calls per collective and side (default 2000)")
-    ap.add_argument("--rounds", type=int, default=10, help="alternating ddl/MPI blocks (default 10)")
+    ap = MPIParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bytes", type=size, default="8", help="per-rank input size (default 8)")
+    ap.add_argument("--iters", type=at_least(1), default=2000, help="calls per collective and side (default 2000)")
+    ap.add_argument("--rounds", type=at_least(1), default=10, help="alternating ddl/MPI blocks (default 10)")
     args = ap.parse_args(argv)
     world = MPI.COMM_WORLD
-    comm = ddl.Communicator(world)
+    try:
+        comm = ddl.Communicator(world)      # env DDL_TOPOLOGY may name a topology file
+    except ddl.Error as exc:
+        fail(exc)
     p = world.size
-    n = max(1, parse_size(args.bytes) // 4)
+    n = max(1, args.bytes // 4)
     x = np.ones(n, np.float32)
     out, big, gathered = np.empty(n, np.float32), np.ones(n * p, np.float32), np.empty(n * p, np.float32)
     cases = {

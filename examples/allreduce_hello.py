@@ -13,7 +13,8 @@ import numpy as np
 from mpi4py import MPI
 
 import ddl
-from ddl.units import format_seconds, format_size, parse_size
+from ddl.cli.argtypes import MPIParser, fail, size
+from ddl.units import format_seconds, format_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,15 +28,6 @@ def pick_topology(path, size):
         if Topology.load(zoo).nranks == size:
             return zoo
     return None
-
-
-class Parser(argparse.ArgumentParser):
-    """Every rank reads the same arguments: a mistake in them is said once, by rank 0."""
-
-    def error(self, message):
-        if MPI.COMM_WORLD.rank:
-            self.exit(2)
-        super().error(message)
 
 
 def iterations(text):
@@ -64,15 +56,18 @@ def describe(comm, nbytes):
 
 
 def main():
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = MPIParser(description=__doc__.splitlines()[0])
     ap.add_argument("topology", nargs="?", default=None)
-    ap.add_argument("--size", default="4MiB", help="message size (default 4MiB)")
+    ap.add_argument("--size", type=size, default="4MiB", help="message size (default 4MiB)")
     ap.add_argument("--iters", type=iterations, default=5, help="timed calls (default 5)")
     args = ap.parse_args()
 
     world = MPI.COMM_WORLD
-    comm = ddl.Communicator(world, topology=pick_topology(args.topology, world.size))
-    nbytes = parse_size(args.size)
+    try:
+        comm = ddl.Communicator(world, topology=pick_topology(args.topology, world.size))
+    except ddl.Error as exc:
+        fail(exc)
+    nbytes = args.size
     count = max(1, nbytes // 4)
     if comm.rank == 0:
         topo = comm.topology.name if comm.topology is not None else "single rank"

@@ -4,6 +4,7 @@
 it and compare with the classic algorithms across the zoo; 4. run the planned allreduce on 8 MPI ranks
 on this machine and check the result.
 """
+import argparse
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,8 @@ def step(title, *argv):
     subprocess.run([str(a) for a in argv], check=True, cwd=ROOT)
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)   # --help; no options
     ddl = [sys.executable, "-m", "ddl"]
     OUT.mkdir(exist_ok=True)
     zoo = sorted((ROOT / "topologies").glob("*.yaml"))
@@ -42,3 +44,5 @@ if __name__ == "__main__":
         main()
     except subprocess.CalledProcessError as exc:
         sys.exit(f"demo step failed with exit status {exc.returncode}")
+    except OSError as exc:     # e.g. no mpiexec: the mpich wheel is not installed
+        sys.exit(f"demo step could not start: {exc}")

@@ -9,7 +9,6 @@ share memory with numpy (``tensor.numpy()``), so no copy is needed to hand a gra
 
 Needs PyTorch; without it the script exits with a message saying so.
 """
-import argparse
 import sys
 
 try:
@@ -21,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ddl
+from ddl.cli.argtypes import MPIParser, at_least, fail
 
 
 class GradientAverager:
@@ -53,8 +53,8 @@ class GradientAverager:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap = MPIParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=at_least(1), default=30, help="training steps (default 30)")
     args = ap.parse_args()
     comm = ddl.Communicator(MPI.COMM_WORLD)
 
@@ -70,7 +70,8 @@ def main():
     x = torch.randn(240, 16, generator=gen, dtype=torch.float64)
     y = torch.tanh(x @ torch.randn(16, 1, generator=gen, dtype=torch.float64))
     if 240 % comm.size:
-        raise SystemExit(f"torch_hook.py: the batch of 240 does not split evenly over {comm.size} ranks")
+        comm.Free()
+        fail(f"the batch of 240 does not split evenly over {comm.size} ranks")
     shard = slice(comm.rank * 240 // comm.size, (comm.rank + 1) * 240 // comm.size)
     worst = 0.0
     for step in range(args.steps):

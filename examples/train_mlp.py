@@ -9,13 +9,13 @@ mean, so every step equals a step of single-process training on the whole batch,
 rounding. Each rank also trains the single-process reference locally and the script checks the two
 loss curves agree to 1e-6 (relative), and that the replicas stay bitwise identical.
 """
-import argparse
 import hashlib
 
 import numpy as np
 from mpi4py import MPI
 
 import ddl
+from ddl.cli.argtypes import MPIParser, at_least, fail, positive_float
 
 D_IN, HIDDEN, BATCH = 16, 32, 240  # 240 splits evenly over 1, 2, 3, 4, 5, 6, 8 ranks
 
@@ -51,17 +51,27 @@ def loss_and_grads(params, x, y):
     return loss, [gw1, gb1, gw2, gb2]
 
 
+def communicator(topology):
+    """``ddl.Communicator`` on COMM_WORLD; a bad topology (no such file, wrong rank count) is one line."""
+    try:
+        return ddl.Communicator(MPI.COMM_WORLD, topology=topology)
+    except ddl.Error as exc:
+        fail(exc)
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--topology", default=None)
+    ap = MPIParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=at_least(2), default=50,
+                    help="training steps, at least 2: the check compares the first and last loss (default 50)")
+    ap.add_argument("--lr", type=positive_float, default=0.1, help="learning rate (default 0.1)")
+    ap.add_argument("--topology", default=None, help="topology file (default: one flat switch)")
     args = ap.parse_args()
 
-    comm = ddl.Communicator(MPI.COMM_WORLD, topology=args.topology)
+    comm = communicator(args.topology)
     rank, size = comm.rank, comm.size
     if BATCH % size:
-        raise SystemExit(f"train_mlp.py: the batch of {BATCH} does not split evenly over {size} ranks")
+        comm.Free()
+        fail(f"the batch of {BATCH} does not split evenly over {size} ranks")
     x, y = synthetic_data()
     shard = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
     xs, ys = x[shard], y[shard]

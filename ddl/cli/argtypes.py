@@ -1,0 +1,111 @@
+"""Argument types for argparse, shared by the example and benchmark scripts (``examples/``, ``benchmarks/``).
+
+Each type reads one option's text and turns a mistake into argparse's one-line error
+(``prog: error: argument --x: why``, exit status 2) instead of a traceback, in the same words
+wherever the option appears. A script that every MPI rank runs reads the same arguments on every
+rank, so :class:`MPIParser` and :func:`fail` report a mistake once, from rank 0, and exit with
+status 2 on every rank. They import mpi4py only when they need the rank, so importing this module
+does not initialise MPI.
+"""
+import argparse
+import functools
+import math
+import os
+import sys
+
+import numpy as np
+
+from ..errors import Error
+from ..units import parse_size
+
+
+def _world_rank():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.rank
+
+
+class MPIParser(argparse.ArgumentParser):
+    """Every rank reads the same arguments: a mistake in them is said once, by rank 0."""
+
+    def error(self, message):
+        if _world_rank():
+            self.exit(2)
+        super().error(message)
+
+
+def fail(message):
+    """A mistake every rank finds alike (a topology file that is missing or has the wrong number of
+    ranks): one line on stderr from rank 0, exit status 2 on every rank, no traceback."""
+    if _world_rank() == 0:
+        print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def reported(parse):
+    """An argparse type from a plain parser: its ValueError or ddl.Error becomes argparse's error."""
+    @functools.wraps(parse)
+    def parse_reported(text):
+        try:
+            return parse(text)
+        except (ValueError, Error) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_reported
+
+
+def size(text):
+    """A size in bytes, or with a unit (64KiB, 4MiB)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def at_least(low):
+    """An argparse type: an integer >= ``low``."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"at least {low}, got {value}")
+        return value
+    return parse
+
+
+def positive_float(text):
+    """A finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"a positive number, got {text}")
+    return value
+
+
+def list_of(parse):
+    """An argparse type: comma-separated values, each stripped of spaces and read by ``parse``."""
+    parse = reported(parse)
+
+    def parse_all(text):
+        return [parse(item.strip()) for item in text.split(",")]
+    return parse_all
+
+
+def numeric_dtype(text):
+    """A numpy dtype of numbers (bool, integer, float or complex)."""
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        raise argparse.ArgumentTypeError(f"not a numpy dtype: {text!r}") from None
+    if dtype.kind not in "biufc":
+        raise argparse.ArgumentTypeError(f"not a numeric dtype: {text!r}")
+    return dtype
+
+
+@reported
+def gpu_dtype(text):
+    """A dtype ddl's GPU buffers hold (bfloat16 included); naming one needs no CuPy."""
+    from ..gpu.buffers import device_dtype
+    return device_dtype(text)
