@@ -746,6 +746,19 @@ def test_hierarchical_equal_shares_for_unequal_racks():
     assert fair.seconds <= 1.02 * lower_bound(topo, "allreduce", nbytes).seconds
 
 
+def numbered_hosts_and_racks(racks):
+    """``racks`` (lists of host sizes) as rank numbers: ``(hosts, racks, ranks)``, the hosts' and the
+    racks' lists of ranks (numbered host by host) and the number of ranks."""
+    hosts, rack_groups, r = [], [], 0
+    for rack in racks:
+        rack_groups.append([])
+        for size in rack:
+            hosts.append(list(range(r, r + size)))
+            rack_groups[-1].extend(hosts[-1])
+            r += size
+    return hosts, rack_groups, r
+
+
 @settings(max_examples=60, deadline=None)
 @given(racks=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=2, max_size=3),
        k=st.integers(1, 3), lag=st.integers(0, 2), exchange=st.sampled_from([(), (1,), (2,)]),
@@ -755,13 +768,7 @@ def test_hierarchical_any_nested_hierarchy_verifies(racks, k, lag, exchange, spl
                                                      hosts_only):
     # racks of hosts of ranks, all of any sizes: every option of the allreduce gives a correct schedule,
     # its chunks sized by the ramp and the targets' shares
-    hosts, rack_groups, r = [], [], 0
-    for rack in racks:
-        rack_groups.append([])
-        for size in rack:
-            hosts.append(list(range(r, r + size)))
-            rack_groups[-1].extend(hosts[-1])
-            r += size
+    hosts, rack_groups, r = numbered_hosts_and_racks(racks)
     tiers = [hosts] if hosts_only else [hosts, rack_groups]      # two stages, or three
     sched = hierarchical_schedule(list(range(r)), tiers, "allreduce", k, waves=k, ramped=True, lag=lag,
                                   exchange=exchange, split=split, balanced=balanced, leaders=leaders,

@@ -19,6 +19,7 @@ from ddl.errors import PlanError
 from ddl.simulate import simulate
 from ddl.topology import Topology
 from ddl.verify import verify
+from test_algorithms import numbered_hosts_and_racks
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "topologies"
@@ -151,13 +152,7 @@ def test_leaders_on_a_single_rank():
 
 @pytest.mark.parametrize("racks", [[[3, 5]], [[1, 4], [2]], [[2, 2], [2, 2], [2]], [[1, 1], [1, 1], [1]]])
 def test_every_variant_forced(racks):
-    hosts, rack_groups, r = [], [], 0
-    for rack in racks:
-        rack_groups.append([])
-        for size in rack:
-            hosts.append(list(range(r, r + size)))
-            rack_groups[-1].extend(hosts[-1])
-            r += size
+    hosts, rack_groups, r = numbered_hosts_and_racks(racks)
     order = list(range(r))[::-1]
     for tiers in ([hosts], [hosts, rack_groups]):
         for collective in COLLECTIVES:
