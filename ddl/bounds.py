@@ -40,8 +40,11 @@ forward data). The core functions take ``(graph, rank_vertices)`` so that they c
 without a :class:`~ddl.topology.Topology`; the public functions are thin, cached wrappers.
 
 Max flows are computed with :func:`scipy.sparse.csgraph.maximum_flow`, which needs int32 capacities.
-Capacities are scaled to integers exactly when they share a common unit that fits (every realistic
-topology: 25 GB/s, 100 Gbit/s, ...), and rounded otherwise. Whatever happens inside, every figure we
+Each flow clamps capacities at the cut value it tests (an edge above it cannot be in a cut that
+matters) and scales them to integers in that unit, not the fastest link's, so links up to 1e15 apart
+stay exact: exactly when they share a common unit that fits (every realistic topology: 25 GB/s,
+100 Gbit/s, ...), and rounded at about 2**-30 of the tested cut otherwise. The transfer LP is solved in
+units of its own upper bound and reports a dual value made feasible, an upper bound on its optimum. Whatever happens inside, every figure we
 report is computed in floating point from a *real* cut of the graph, so it is always a valid bound;
 in the exact case it is also the optimum.
 """
@@ -116,12 +119,13 @@ def _integer_capacities(caps, headroom):
 
     ``headroom`` is how much the caller will multiply the largest value by. Exact when the capacities
     are integer multiples of a common unit that leaves that room (their exact rational gcd); otherwise
-    rounded to about 2**-29 of the largest, relative. Returns ``(q, exact)``.
+    rounded to about 2**-29 of the largest, relative. ``caps`` may hold exact :class:`~fractions.Fraction`
+    values (sums and ratios of capacities), which are then taken exactly. Returns ``(q, exact)``.
     """
-    caps = [float(c) for c in caps]
+    fracs = [c if isinstance(c, Fraction) else Fraction(float(c)) for c in caps]
+    caps = [float(c) for c in fracs]
     if not caps:
         return np.zeros(0, dtype=np.int64), True
-    fracs = [Fraction(c) for c in caps]
     den = 1
     for f in fracs:
         den = den * f.denominator // math.gcd(den, f.denominator)
@@ -239,8 +243,9 @@ def cut_bound_graph(graph, ranks):
     ``maxflow(s, v) < x p`` replace ``x`` by the ratio of that min cut's source side (strictly smaller).
     Feasibility at ``x`` implies feasibility at every smaller ``x`` (the condition is monotone), so each
     sink is checked once and stays checked: about ``#classes + #improvements`` max flows in total,
-    where interchangeable ranks (twins, e.g. the GPUs of one host) share one class. ``x = B/k`` is kept
-    as an exact fraction by scaling graph capacities by ``k`` and source edges to ``B``.
+    where interchangeable ranks (twins, e.g. the GPUs of one host) share one class. ``x`` is kept as an
+    exact fraction of capacities, and each flow is solved in integer units of the current ``x·p`` (see
+    below), so capacities 1e15 apart stay exact where the cuts that matter are within 2**30 of it.
     """
     mult = Counter(ranks)
     p = len(ranks)
@@ -262,30 +267,44 @@ def cut_bound_graph(graph, ranks):
     if best[0] == 0.0:
         return CutBound(math.inf, best[1], best[2], 0.0)
 
-    # integer capacities: graph edges get multiplied by k <= p; source edges carry B * mult(c) with
-    # B/k <= x0, i.e. at most x0 * p * max(mult)
-    maxmult = max(mult.values())
-    x0 = best[0]
-    headroom = max(p, math.ceil(p * maxmult * x0 / net.cap.max()) + p) if net.m else p
-    q, _exact = _integer_capacities(net.cap, headroom)
-    out_q = np.bincount(net.tail[:net.m], weights=q, minlength=n).astype(np.int64) if net.m else np.zeros(n, np.int64)
-    x = min(Fraction(int(out_q[net.index[v]]), mult[v]) for v in rank_vertices)
-
-    # sinks: one per twin class, the least-fed first (they tend to lie outside the worst cut)
     reps = _twin_representatives(graph, rank_vertices, mult)
+    # sinks: one per twin class, the least-fed first (they tend to lie outside the worst cut)
     reps.sort(key=lambda v: net.in_cap[net.index[v]] / mult[v])
+    # Integer capacities in one common unit, as every realistic fabric allows (25 GB/s, 100 Gbit/s,
+    # ...): graph edges get multiplied by k <= p, source edges carry B * mult(c) with B/k <= x0, i.e.
+    # at most x0 * p * max(mult). Where no such unit fits, the flows are clamped instead (below).
+    x0 = best[0]
+    headroom = max(p, math.ceil(p * max(mult.values()) * x0 / net.cap.max()) + p) if net.m else p
+    q, exact = _integer_capacities(net.cap, headroom)
+    if exact:
+        return _cut_bound_exact(net, q, reps, weight, src_w, mult, best)
+
+    # Each max flow runs on integer capacities taken at the current x, with every graph edge clamped
+    # at x·p: a cut through such an edge is worth at least x·p, as much as the cut {s}, so it violates
+    # nothing, and every cut below x·p (the violated ones) keeps its exact capacity. Quantising at the
+    # top capacity instead rounded a link 3e8 times slower than the fastest to nothing (int32), and the
+    # cut it closes was never seen: half the optimum on a 3-rank star with one slow link. Clamped, the
+    # scale is x·p, which no cut that matters exceeds; only edges below about 2**-30 of it are rounded.
+    fcap = [Fraction(c) for c in net.cap.tolist()]
+    tails, heads = net.tail[:net.m], net.head[:net.m]
+
+    def exact_out(mask):
+        return sum((fcap[i] for i in np.flatnonzero(mask[tails] & ~mask[heads]).tolist()), Fraction(0))
+    x = min(exact_out(np.arange(n) == net.index[v]) / mult[v] for v in rank_vertices)
+    srcs = [int(k) for k in src_w]
     s = n
     for v in reps:
         t = net.index[v]
         while x > 0:
-            B, k = x.numerator, x.denominator
-            mat = net.matrix(q * k, src_w * B)
+            top = x * p
+            q, _exact = _integer_capacities([min(c, top) for c in fcap] + [x * k for k in srcs], 1)
+            mat = net.matrix(q[:net.m], q[net.m:])
             res = maximum_flow(mat, s, t)
-            if int(res.flow_value) >= B * p:
+            if int(res.flow_value) >= int(q[net.m:].sum()):
                 break
             mask = net.source_side(mat, res, s)
             ks = int(weight[mask].sum())
-            new_x = Fraction(int(q[mask[net.tail[:net.m]] & ~mask[net.head[:net.m]]].sum()), ks)
+            new_x = exact_out(mask) / ks
             bout = net.cut_capacity(mask)
             if bout / ks < best[0]:
                 best = (bout / ks, frozenset(net.vertices[i] for i in np.flatnonzero(mask)), ks, bout)
@@ -294,6 +313,39 @@ def cut_bound_graph(graph, ranks):
             x = new_x
         if best[0] == 0.0:
             break
+    return _cut_bound(best, p)
+
+
+def _cut_bound_exact(net, q, reps, weight, src_w, mult, best):
+    """:func:`cut_bound_graph`'s iteration on capacities ``q`` exact in one integer unit: ``x = B/k``
+    kept as an exact fraction by scaling graph capacities by ``k`` and source edges to ``B``."""
+    n, p = net.n, int(src_w.sum())
+    out_q = np.bincount(net.tail[:net.m], weights=q, minlength=n).astype(np.int64) if net.m else np.zeros(n, np.int64)
+    x = min(Fraction(int(out_q[net.index[v]]), mult[v]) for v in mult)
+    tails, heads = net.tail[:net.m], net.head[:net.m]
+    for v in reps:
+        t = net.index[v]
+        while x > 0:
+            B, k = x.numerator, x.denominator
+            mat = net.matrix(q * k, src_w * B)
+            res = maximum_flow(mat, n, t)
+            if int(res.flow_value) >= B * p:
+                break
+            mask = net.source_side(mat, res, n)
+            ks = int(weight[mask].sum())
+            new_x = Fraction(int(q[mask[tails] & ~mask[heads]].sum()), ks)
+            bout = net.cut_capacity(mask)
+            if bout / ks < best[0]:
+                best = (bout / ks, frozenset(net.vertices[i] for i in np.flatnonzero(mask)), ks, bout)
+            if new_x >= x:  # (exact flows always find a smaller ratio; a guard against looping)
+                break
+            x = new_x
+        if best[0] == 0.0:
+            break
+    return _cut_bound(best, p)
+
+
+def _cut_bound(best, p):
     rate, cut, ks, bout = best
     spb = math.inf if rate == 0 else ks / (p * bout)
     return CutBound(spb, cut, ks, bout)
@@ -474,13 +526,33 @@ def _transfer_bandwidth(net, rank_idx, labels, direct, is_rank):
     used, rows = np.unique(rows, return_inverse=True)
     a_eq = sp.csr_array((vals, (rows, cols)), shape=(len(used), nvar))
     a_ub = sp.csr_array((np.ones(nvar), (var_edge, np.arange(nvar))), shape=(net.m, nvar))
-    top = float(cap.max())
-    objective = -(is_rank[vh]).astype(float)
-    res = linprog(objective, A_ub=a_ub, b_ub=cap / top, A_eq=a_eq, b_eq=np.zeros(len(used)),
+    # Units. Every message leaves its sender's group and enters another's, so the total rate is at most
+    # top = min(capacity leaving the groups, entering them), and an acyclic optimum puts at most that on
+    # any edge: capacities clamped at top lose nothing, and the LP is solved in units of top, not of the
+    # fastest link (HiGHS' absolute tolerances, 1e-7, swallowed groups joined by links 1e15 times
+    # slower: the LP came back 0, an infinite "bound").
+    crossing = labels[tail] != labels[head]
+    is_group = np.zeros(int(labels.max()) + 1, dtype=bool)
+    is_group[labels[rank_idx]] = True
+    top = min(math.fsum(cap[crossing & is_group[labels[tail]]]), math.fsum(cap[crossing & is_group[labels[head]]]))
+    if top <= 0:
+        return 0.0
+    b_ub = np.minimum(cap, top) / top
+    gain = is_rank[vh].astype(float)
+    res = linprog(-gain, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.zeros(len(used)),
                   bounds=(0, None), method="highs")
     if res.status != 0:     # pragma: no cover - the LP is feasible (0) and bounded (capacities)
         raise PlanError(f"the transfer bound's LP failed: {res.message}")
-    return -res.fun * top
+    # Report the value of a dual solution made feasible, not the primal one: by weak duality it is at
+    # least the optimum whatever HiGHS' tolerances did, so the bound (its inverse) is never too high.
+    # Each variable sits in one capacity row, so raising that row's price covers any reduced cost
+    # HiGHS left negative.
+    price = np.maximum(-res.ineqlin.marginals, 0.0)
+    short = gain - a_ub.T @ price + a_eq.T @ res.eqlin.marginals
+    need = np.zeros(net.m)
+    np.maximum.at(need, var_edge, short)
+    price = price + np.maximum(need, 0.0)
+    return float(b_ub @ price) * top
 
 
 def transfer_bound_graph(graph, ranks):
@@ -531,17 +603,48 @@ def broadcast_bandwidth_graph(graph, ranks, root=0):
     if not targets:
         return math.inf, frozenset()
     net = _Network(graph)
-    q, _exact = _integer_capacities(net.cap, 1)
-    mat = net.matrix(q)
     s = net.index[rv]
-    best_val, best_t = None, None
-    for v in _twin_representatives(graph, targets, exclude={rv}):
+    reps = _twin_representatives(graph, targets, exclude={rv})
+    q, exact = _integer_capacities(net.cap, 1)
+    if exact:           # one common integer unit (every realistic fabric): one flow per target class
+        mat = net.matrix(q)
+        best_t = min(reps, key=lambda v: (int(maximum_flow(mat, s, net.index[v]).flow_value), reps.index(v)))
+        mask = net.source_side(mat, maximum_flow(mat, s, net.index[best_t]), s)
+        return net.cut_capacity(mask), frozenset(net.vertices[i] for i in np.flatnonzero(mask))
+    # Each flow runs on integer capacities clamped at twice a bound the min cut to t cannot exceed
+    # (the root's out-capacity, t's in-capacity, the best cut so far): a cut through a clamped edge is
+    # then worth more than the min cut and every cut at or below the bound keeps its exact capacity.
+    # Quantised at the top capacity instead, links 1e12 times slower than the fastest rounded to
+    # nothing and all looked alike (a third of the rate on a star with ranks at 1 and 2 kB/s). Where
+    # rounding remains (edges below about 2**-30 of the bound), the flow is repeated at the better cut
+    # found until it finds none.
+    fcap = [Fraction(c) for c in net.cap.tolist()]
+    tails, heads = net.tail[:net.m], net.head[:net.m]
+
+    def exact_cut(mask):
+        return sum((fcap[i] for i in np.flatnonzero(mask[tails] & ~mask[heads]).tolist()), Fraction(0))
+    root_out = exact_cut(np.arange(net.n) == s)
+    best = None                 # (exact capacity, source side)
+    for v in reps:
         t = net.index[v]
-        val = int(maximum_flow(mat, s, t).flow_value)
-        if best_val is None or val < best_val:
-            best_val, best_t = val, t
-    res = maximum_flow(mat, s, best_t)
-    mask = net.source_side(mat, res, s)
+        while True:
+            bound = min(root_out, exact_cut(np.arange(net.n) != t))
+            improves = best is None or bound < best[0]     # then t's min cut beats the best one
+            if not improves:
+                bound = best[0]
+            q, exact = _integer_capacities([min(c, 2 * bound) for c in fcap] + [bound], 1)
+            mat = net.matrix(q[:-1])
+            res = maximum_flow(mat, s, t)
+            if not improves and int(res.flow_value) >= int(q[-1]):
+                break
+            mask = net.source_side(mat, res, s)
+            value = exact_cut(mask)
+            if best is not None and value >= best[0]:   # only possible with rounded capacities
+                break
+            best = (value, mask)
+            if exact:
+                break
+    mask = best[1]
     return net.cut_capacity(mask), frozenset(net.vertices[i] for i in np.flatnonzero(mask))
 
 
