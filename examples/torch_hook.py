@@ -13,8 +13,8 @@ import sys
 
 try:
     import torch
-except ImportError:
-    sys.exit("examples/torch_hook.py needs PyTorch (pip install torch); it is not installed, nothing to run.")
+except ImportError:           # said after the arguments are read: --help works without it
+    torch = None
 
 import numpy as np
 from mpi4py import MPI
@@ -56,6 +56,8 @@ def main():
     ap = MPIParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=at_least(1), default=30, help="training steps (default 30)")
     args = ap.parse_args()
+    if torch is None:
+        sys.exit("examples/torch_hook.py needs PyTorch (pip install torch); it is not installed, nothing to run.")
     comm = ddl.Communicator(MPI.COMM_WORLD)
 
     def make_model():

@@ -7,7 +7,6 @@ traceback; the GPU benchmark says it has no device and exits non-zero. Planners:
 every collective and broadcast root, tiny sizes: proved, simulated, deterministic, or a PlanError.
 """
 import concurrent.futures
-import importlib.util
 import math
 import os
 import subprocess
@@ -25,7 +24,6 @@ from mpi_cases._launch import ROOT, plan_cache, run_mpi
 from test_algorithms import cluster, ring_beside_pairs
 
 SCRIPTS = sorted(str(p.relative_to(ROOT)) for d in ("examples", "benchmarks") for p in (ROOT / d).glob("*.py"))
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 # (script, arguments, what the error line says); every one must exit 2 with "<script>: error: ..."
 BAD_ARGUMENTS = [
@@ -83,8 +81,6 @@ def test_every_script_answers_help(ran, script):
 @pytest.mark.parametrize("script, args, says", BAD_ARGUMENTS, ids=[f"{s.split('/')[1]}:{' '.join(a)}"
                                                                    for s, a, _ in BAD_ARGUMENTS])
 def test_a_bad_argument_is_one_line_and_status_2(ran, script, args, says):
-    if script.endswith("torch_hook.py") and not HAS_TORCH:
-        pytest.skip("without torch the example exits before reading its arguments")
     proc = ran[(script, tuple(args))]
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
