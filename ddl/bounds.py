@@ -40,16 +40,18 @@ forward data). The core functions take ``(graph, rank_vertices)`` so that they c
 without a :class:`~ddl.topology.Topology`; the public functions are thin, cached wrappers.
 
 Max flows are computed with :func:`scipy.sparse.csgraph.maximum_flow`, which needs int32 capacities.
-Each flow clamps capacities at the cut value it tests (an edge above it cannot be in a cut that
-matters) and scales them to integers in that unit, not the fastest link's, so links up to 1e15 apart
-stay exact: exactly when they share a common unit that fits (every realistic topology: 25 GB/s,
-100 Gbit/s, ...), and rounded at about 2**-30 of the tested cut otherwise. The transfer LP is solved in
-units of its own upper bound and reports a dual value made feasible, an upper bound on its optimum. Whatever happens inside, every figure we
-report is computed in floating point from a *real* cut of the graph, so it is always a valid bound;
-in the exact case it is also the optimum.
+Capacities are scaled to integers exactly when they share a common unit that fits (every realistic
+topology: 25 GB/s, 100 Gbit/s, ...). Where none fits, each flow clamps capacities at the cut value it
+tests (an edge above it cannot be in a cut that matters) and scales them in that unit, not the
+fastest link's, so links up to 1e15 apart stay exact; only edges below about 2**-30 of the tested cut
+are rounded. The transfer LP is solved in units of its own upper bound and reports a dual value made
+feasible, an upper bound on its optimum. Whatever happens inside, every figure we report is computed
+in floating point from a *real* cut of the graph, so it is always a valid bound; in the exact case it
+is also the optimum.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, OrderedDict
 from fractions import Fraction
@@ -199,10 +201,22 @@ class _Network:
         mask[reach] = True
         return mask[:self.n]
 
+    def leaving(self, mask):
+        """Boolean mask of the graph edges leaving the vertex set ``mask``."""
+        return mask[self.tail[:self.m]] & ~mask[self.head[:self.m]]
+
     def cut_capacity(self, mask):
         """Float capacity of the graph edges leaving the vertex set ``mask`` (exact sum)."""
-        leaving = mask[self.tail[:self.m]] & ~mask[self.head[:self.m]]
-        return math.fsum(self.cap[leaving])
+        return math.fsum(self.cap[self.leaving(mask)])
+
+    @functools.cached_property
+    def exact_cap(self):
+        """The graph edges' capacities as exact fractions (for flows that no common unit fits)."""
+        return [Fraction(c) for c in self.cap.tolist()]
+
+    def exact_cut(self, mask):
+        """:meth:`cut_capacity` as an exact fraction."""
+        return sum((self.exact_cap[i] for i in np.flatnonzero(self.leaving(mask)).tolist()), Fraction(0))
 
 
 def _twin_representatives(graph, vertices, weight=None, exclude=()):
@@ -244,8 +258,9 @@ def cut_bound_graph(graph, ranks):
     Feasibility at ``x`` implies feasibility at every smaller ``x`` (the condition is monotone), so each
     sink is checked once and stays checked: about ``#classes + #improvements`` max flows in total,
     where interchangeable ranks (twins, e.g. the GPUs of one host) share one class. ``x`` is kept as an
-    exact fraction of capacities, and each flow is solved in integer units of the current ``x·p`` (see
-    below), so capacities 1e15 apart stay exact where the cuts that matter are within 2**30 of it.
+    exact fraction: in the capacities' common integer unit where one fits, else of the capacities
+    themselves with each flow solved in integer units of the current ``x·p`` (see below), so capacities
+    1e15 apart stay exact where the cuts that matter are within 2**30 of it.
     """
     mult = Counter(ranks)
     p = len(ranks)
@@ -272,39 +287,41 @@ def cut_bound_graph(graph, ranks):
     reps.sort(key=lambda v: net.in_cap[net.index[v]] / mult[v])
     # Integer capacities in one common unit, as every realistic fabric allows (25 GB/s, 100 Gbit/s,
     # ...): graph edges get multiplied by k <= p, source edges carry B * mult(c) with B/k <= x0, i.e.
-    # at most x0 * p * max(mult). Where no such unit fits, the flows are clamped instead (below).
+    # at most x0 * p * max(mult); x = B/k is kept in that unit.
     x0 = best[0]
     headroom = max(p, math.ceil(p * max(mult.values()) * x0 / net.cap.max()) + p) if net.m else p
     q, exact = _integer_capacities(net.cap, headroom)
     if exact:
-        return _cut_bound_exact(net, q, reps, weight, src_w, mult, best)
+        def cut_value(mask):
+            return Fraction(int(q[net.leaving(mask)].sum()))
 
-    # Each max flow runs on integer capacities taken at the current x, with every graph edge clamped
-    # at x·p: a cut through such an edge is worth at least x·p, as much as the cut {s}, so it violates
-    # nothing, and every cut below x·p (the violated ones) keeps its exact capacity. Quantising at the
-    # top capacity instead rounded a link 3e8 times slower than the fastest to nothing (int32), and the
-    # cut it closes was never seen: half the optimum on a 3-rank star with one slow link. Clamped, the
-    # scale is x·p, which no cut that matters exceeds; only edges below about 2**-30 of it are rounded.
-    fcap = [Fraction(c) for c in net.cap.tolist()]
-    tails, heads = net.tail[:net.m], net.head[:net.m]
+        def flow_network(x):
+            return net.matrix(q * x.denominator, src_w * x.numerator), x.numerator * p
+    else:
+        # No common unit fits: each max flow runs on integer capacities taken at the current x (an
+        # exact fraction of capacities), every graph edge clamped at x·p: a cut through such an edge is
+        # worth at least x·p, as much as the cut {s}, so it violates nothing, and every cut below x·p
+        # (the violated ones) keeps its exact capacity. Quantising at the top capacity instead rounded a
+        # link 3e8 times slower than the fastest to nothing (int32), and the cut it closes was never
+        # seen: half the optimum on a 3-rank star with one slow link. Clamped, the scale is x·p, which
+        # no cut that matters exceeds; only edges below about 2**-30 of it are rounded.
+        cut_value = net.exact_cut
 
-    def exact_out(mask):
-        return sum((fcap[i] for i in np.flatnonzero(mask[tails] & ~mask[heads]).tolist()), Fraction(0))
-    x = min(exact_out(np.arange(n) == net.index[v]) / mult[v] for v in rank_vertices)
-    srcs = [int(k) for k in src_w]
+        def flow_network(x):
+            scaled, _ = _integer_capacities([min(c, x * p) for c in net.exact_cap] + [x * int(k) for k in src_w], 1)
+            return net.matrix(scaled[:net.m], scaled[net.m:]), int(scaled[net.m:].sum())
+    x = min(cut_value(np.arange(n) == net.index[v]) / mult[v] for v in rank_vertices)
     s = n
     for v in reps:
         t = net.index[v]
         while x > 0:
-            top = x * p
-            q, _exact = _integer_capacities([min(c, top) for c in fcap] + [x * k for k in srcs], 1)
-            mat = net.matrix(q[:net.m], q[net.m:])
+            mat, demand = flow_network(x)
             res = maximum_flow(mat, s, t)
-            if int(res.flow_value) >= int(q[net.m:].sum()):
+            if int(res.flow_value) >= demand:
                 break
             mask = net.source_side(mat, res, s)
             ks = int(weight[mask].sum())
-            new_x = exact_out(mask) / ks
+            new_x = cut_value(mask) / ks
             bout = net.cut_capacity(mask)
             if bout / ks < best[0]:
                 best = (bout / ks, frozenset(net.vertices[i] for i in np.flatnonzero(mask)), ks, bout)
@@ -313,39 +330,6 @@ def cut_bound_graph(graph, ranks):
             x = new_x
         if best[0] == 0.0:
             break
-    return _cut_bound(best, p)
-
-
-def _cut_bound_exact(net, q, reps, weight, src_w, mult, best):
-    """:func:`cut_bound_graph`'s iteration on capacities ``q`` exact in one integer unit: ``x = B/k``
-    kept as an exact fraction by scaling graph capacities by ``k`` and source edges to ``B``."""
-    n, p = net.n, int(src_w.sum())
-    out_q = np.bincount(net.tail[:net.m], weights=q, minlength=n).astype(np.int64) if net.m else np.zeros(n, np.int64)
-    x = min(Fraction(int(out_q[net.index[v]]), mult[v]) for v in mult)
-    tails, heads = net.tail[:net.m], net.head[:net.m]
-    for v in reps:
-        t = net.index[v]
-        while x > 0:
-            B, k = x.numerator, x.denominator
-            mat = net.matrix(q * k, src_w * B)
-            res = maximum_flow(mat, n, t)
-            if int(res.flow_value) >= B * p:
-                break
-            mask = net.source_side(mat, res, n)
-            ks = int(weight[mask].sum())
-            new_x = Fraction(int(q[mask[tails] & ~mask[heads]].sum()), ks)
-            bout = net.cut_capacity(mask)
-            if bout / ks < best[0]:
-                best = (bout / ks, frozenset(net.vertices[i] for i in np.flatnonzero(mask)), ks, bout)
-            if new_x >= x:  # (exact flows always find a smaller ratio; a guard against looping)
-                break
-            x = new_x
-        if best[0] == 0.0:
-            break
-    return _cut_bound(best, p)
-
-
-def _cut_bound(best, p):
     rate, cut, ks, bout = best
     spb = math.inf if rate == 0 else ks / (p * bout)
     return CutBound(spb, cut, ks, bout)
@@ -618,11 +602,7 @@ def broadcast_bandwidth_graph(graph, ranks, root=0):
     # nothing and all looked alike (a third of the rate on a star with ranks at 1 and 2 kB/s). Where
     # rounding remains (edges below about 2**-30 of the bound), the flow is repeated at the better cut
     # found until it finds none.
-    fcap = [Fraction(c) for c in net.cap.tolist()]
-    tails, heads = net.tail[:net.m], net.head[:net.m]
-
-    def exact_cut(mask):
-        return sum((fcap[i] for i in np.flatnonzero(mask[tails] & ~mask[heads]).tolist()), Fraction(0))
+    exact_cut = net.exact_cut
     root_out = exact_cut(np.arange(net.n) == s)
     best = None                 # (exact capacity, source side)
     for v in reps:
@@ -632,7 +612,7 @@ def broadcast_bandwidth_graph(graph, ranks, root=0):
             improves = best is None or bound < best[0]     # then t's min cut beats the best one
             if not improves:
                 bound = best[0]
-            q, exact = _integer_capacities([min(c, 2 * bound) for c in fcap] + [bound], 1)
+            q, exact = _integer_capacities([min(c, 2 * bound) for c in net.exact_cap] + [bound], 1)
             mat = net.matrix(q[:-1])
             res = maximum_flow(mat, s, t)
             if not improves and int(res.flow_value) >= int(q[-1]):
