@@ -20,7 +20,6 @@ import difflib
 import itertools
 import json
 import math
-import operator
 import pathlib
 import reprlib
 from collections import namedtuple
@@ -28,7 +27,7 @@ from collections import namedtuple
 import yaml
 
 from .errors import TopologyError
-from .units import BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency
+from .units import BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency, whole_number
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
@@ -369,7 +368,7 @@ def _link(entry, default_latency, where, label):
     bandwidth = _bandwidth(entry["bandwidth"], where, label, "bandwidth")
     latency = entry.get("latency")
     latency = default_latency if latency is None else _latency(latency, where, label)
-    count = _whole(entry.get("count", 1))
+    count = whole_number(entry.get("count", 1))
     if count is None or count < 1:
         _fail(where, label, f"count must be a whole number >= 1 (parallel links), not {entry['count']!r}")
     if count > MAX_REPEATS or not math.isfinite(bandwidth * count):
@@ -379,17 +378,6 @@ def _link(entry, default_latency, where, label):
     if not isinstance(directed, bool):
         _fail(where, label, f"directed must be true or false, not {directed!r}")
     return Link(a, b, bandwidth, latency, count, directed)
-
-
-def _whole(value):
-    """``value`` as an int when it is a whole number, Python's or numpy's (np.int64 is no int), else
-    None; a bool is no count (True would be 1)."""
-    if isinstance(value, (bool, str)) or not hasattr(value, "__index__"):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:           # numpy's bool has __index__, and refuses it
-        return None
 
 
 def _ranks(entries, label_of, where):
@@ -546,7 +534,7 @@ def _tier(entry, k, where):
                             f"not {_a(entry)}")
     _check_keys(entry, TIER_KEYS, where, label, "a tier")
     name = _optional_string(entry, "name", where, label)
-    count = _whole(entry.get("count"))
+    count = whole_number(entry.get("count"))
     if count is None or count < 1:
         _fail(where, label, f"count must be a whole number >= 1 (children per parent), "
                             f"not {entry.get('count')!r}")

@@ -62,6 +62,18 @@ def parse_latency(text):
     return float(m.group(1)) * _LATENCY[m.group(2)]
 
 
+def whole_number(value):
+    """``value`` as an int when it is an integer, Python's or numpy's (np.int64 is no int), else None.
+    A bool is none (True would be 1), nor is text or a float, even a whole one: counts, ranks and sizes
+    given as numbers must be integers."""
+    if isinstance(value, (bool, str)) or not hasattr(value, "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:           # numpy's bool has __index__, and refuses it
+        return None
+
+
 def _is_number(value):
     """A plain number: Python's or numpy's (np.int64, np.float32 are not int or float, and their text
     has no unit), never a bool (which is an int)."""
@@ -95,9 +107,8 @@ def parse_size(text):
 def message_size(value):
     """A message size in bytes: a non-negative integer (numpy's too) or text such as ``'64MiB'``;
     ValueError saying why otherwise (a float such as 1.5, a bool, NaN, a negative size)."""
-    if not isinstance(value, (bool, str)) and hasattr(value, "__index__"):
-        value = operator.index(value)
-    nbytes = parse_size(value)
+    whole = whole_number(value)
+    nbytes = parse_size(value if whole is None else whole)
     if nbytes < 0:
         raise ValueError(f"a message size must be a non-negative number of bytes, got {value!r}")
     return nbytes

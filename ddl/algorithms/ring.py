@@ -18,6 +18,7 @@ small.
 """
 from ..errors import PlanError
 from ..schedule import COLLECTIVES, ScheduleBuilder
+from ..units import whole_number
 
 NAME = "ring"
 MIN_CHUNK_BYTES = 1 << 20
@@ -47,7 +48,7 @@ def check_request(name, collective, nranks, root, supported=COLLECTIVES):
         raise PlanError(f"{name} does not support {collective!r} (it plans {', '.join(supported)})")
     if nranks < 1:
         raise PlanError(f"{name} does not support an empty communicator")
-    if isinstance(root, (bool, str)) or not hasattr(root, "__index__"):
+    if whole_number(root) is None:
         raise PlanError(f"{name}: root must be a rank number, got {root!r}")
     if not 0 <= root < nranks:
         raise PlanError(f"{name}: root {root} is not a rank of {nranks}")

@@ -75,7 +75,6 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import operator
 
 import networkx as nx
 import numpy as np
@@ -83,6 +82,7 @@ import numpy as np
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
 from ..simulate import simulate
+from ..units import whole_number
 from .arborescence import pack_arborescences
 from .variants import CHOOSE_VARIANTS_OPS, replaces
 
@@ -273,9 +273,10 @@ def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
     p = topo.nranks
     # A root is a rank number (numpy's integers too), never a bool, a float or text: 1.5 or True
     # passed the range check and became the schedule's root, None or "0" raised a bare TypeError.
-    if isinstance(root, (bool, str)) or not hasattr(root, "__index__"):
+    rank = whole_number(root)
+    if rank is None:
         raise PlanError(f"{name}: root must be a rank number, got {root!r}")
-    root = operator.index(root)
+    root = rank
     if not 0 <= root < p:
         raise PlanError(f"root {root} is not a rank (there are {p})")
     if direct and p > 1 and (why_not := direct_links(topo)[1]):
