@@ -130,10 +130,7 @@ def refusal(collective, topology_digest, mode="always"):
     wait in its agreement, then raise :class:`ddl.MismatchError` at once, naming this rank, instead of a
     StallError once ``stall_timeout`` has passed. Ranks that all refused the same collective agree and
     each raises its own error."""
-    sig = Signature("barrier", 0, None, None, 0, 0, topology_digest, mode)
-    sig.vector[_COLL] = COLLECTIVE_CODES[collective] + REFUSED
-    sig.base = digest62(*sig.vector[1:].tolist())
-    return sig
+    return _marked(COLLECTIVE_CODES[collective] + REFUSED, topology_digest, mode)
 
 
 def device_start(collective, topology_digest, mode="always"):
@@ -141,8 +138,13 @@ def device_start(collective, topology_digest, mode="always"):
     device executor is collective (an MPI communicator is duplicated), so a rank that passed host
     buffers to the same call would leave the others blocked in it. Agreeing first makes that a
     MismatchError on every rank; ranks that all pass device buffers agree and go on."""
+    return _marked(COLLECTIVE_CODES[collective] + DEVICE, topology_digest, mode)
+
+
+def _marked(code, topology_digest, mode):
+    """A signature that says only ``code`` (a collective's code plus a mark): a barrier's, recoded."""
     sig = Signature("barrier", 0, None, None, 0, 0, topology_digest, mode)
-    sig.vector[_COLL] = COLLECTIVE_CODES[collective] + DEVICE
+    sig.vector[_COLL] = code
     sig.base = digest62(*sig.vector[1:].tolist())
     return sig
 
