@@ -465,7 +465,6 @@ class NcclExecutor:
         self._plans = OrderedDict()
         self._buffers = OrderedDict()
         self._pinned = {}
-        self._digests = {}
         self._prepared = {}
         self._freed = False
         self._entered = 0         # calls that reached the agreement (see _announced)
@@ -679,14 +678,10 @@ class NcclExecutor:
         if self.size == 1 or getattr(c, "check", "always") == "off":
             return
         from ..agreement import COLLECTIVE_CODES, COLLECTIVE_NAMES, Signature, digest62
-        entry = self._digests.get(id(sched))
-        if entry is None or entry[0] is not sched:
-            entry = self._digests[id(sched)] = (sched, digest62(sched.to_json()))
-            if len(self._digests) > 256:
-                self._digests.pop(next(iter(self._digests)))
+        schedule_digest = c._check_schedule(sched, collective, root)     # (made when comm.plan gave it)
         npdt = dt.numpy if dt.numpy is not None else np.dtype(f"u{dt.itemsize}")
         # the schedule word says "on device buffers": a host call of the same arguments differs there
-        sig = Signature(collective, int(count), npdt, op, int(root), digest62("device", dt.name, entry[1]),
+        sig = Signature(collective, int(count), npdt, op, int(root), digest62("device", dt.name, schedule_digest),
                         c._topology_digest, c.check)
         name = COLLECTIVE_NAMES[COLLECTIVE_CODES[collective]]
         label = f"{name}({int(count)} x {dt.name}{f', {op.name}' if op is not None else ''}) on device buffers"
