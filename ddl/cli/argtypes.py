@@ -52,12 +52,10 @@ def reported(parse):
     return parse_reported
 
 
+@reported
 def size(text):
     """A size in bytes, or with a unit (64KiB, 4MiB)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse_size(text)
 
 
 def at_least(low):
