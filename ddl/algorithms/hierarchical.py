@@ -519,7 +519,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         on 2 GPUs x 96 hosts at 1 TiB), so the schedule built has the last word; every wave has as many
         operations, so its count per wave tells how many waves fit."""
         staged = stage_partitions(p, tiers)
-        bws = [tier_bw.get(groups) for groups in staged]
+        bandwidths = [None if bw is None else float(bw) for bw in (tier_bw.get(groups) for groups in staged)]
         per_wave = {}                   # spans -> operations per wave, as built
         while True:
             for spans in SPAN_PIECES:
@@ -530,7 +530,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
                                               ramped=waved, lift=lift, span_pieces=spans,
                                               lag=WAVE_LAG if waved else 0, exchange=exchange, split=True,
                                               balanced=balanced, leaders=leaders,
-                                              stage_bandwidths=[None if bw is None else float(bw) for bw in bws])
+                                              stage_bandwidths=bandwidths)
                 if not waved or k == 1 or sched.nops <= MAX_WAVE_OPS:
                     return sched
                 per_wave[spans] = -(-sched.nops // k)
