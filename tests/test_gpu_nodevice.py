@@ -1165,3 +1165,23 @@ def test_fallback_paths_under_mpiexec_match_the_host_executor(tmp_path, path, nr
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert f"RESULT {path}:" in proc.stdout, proc.stdout[-3000:]
+
+
+class FakeBothInterfaces(FakeDLPack):
+    """A device tensor that exports both interfaces, as a PyTorch CUDA tensor does."""
+
+    def __init__(self, typestr, **kw):
+        super().__init__(PTR, (6,), **kw)
+        self.__cuda_array_interface__ = {"shape": (6,), "typestr": typestr, "data": (PTR, False),
+                                         "version": 3, "strides": None}
+
+
+def test_anonymous_two_byte_interface_gives_way_to_dlpack():
+    """PyTorch exports a bfloat16 CUDA tensor's __cuda_array_interface__ as '<V2': DLPack names the type."""
+    bf = FakeBothInterfaces("<V2", code=B.DL_BFLOAT, bits=16)
+    b = B.parse_device_buffer(bf)
+    assert b.dtype.name == "bfloat16" and b.source == "dlpack" and b.count == 6 and bf.streams
+    typed = B.parse_device_buffer([FakeBothInterfaces("<V2", code=B.DL_BFLOAT, bits=16), "float16"])
+    assert typed.dtype.name == "float16" and typed.count == 6    # the caller named the type: raw bytes
+    plain = FakeBothInterfaces("<f4")
+    assert B.parse_device_buffer(plain).source != "dlpack" and plain.streams == []

@@ -447,6 +447,8 @@ def is_device_buffer(spec):
 
 def as_device_buffer(obj, what="buffer", stream=None, typed_later=False):
     """DeviceBuffer of a whole object: ``__cuda_array_interface__`` first, then DLPack.
+    An interface that says only "2 anonymous bytes" (bfloat16 tensors of PyTorch do) gives way to
+    DLPack when the object has it, since DLPack names bfloat16.
     ``typed_later``: a spec names the dtype, so an anonymous 2-byte typestr (bfloat16's) is read as
     raw bytes instead of refused."""
     if isinstance(obj, DeviceBuffer):
@@ -459,6 +461,10 @@ def as_device_buffer(obj, what="buffer", stream=None, typed_later=False):
     except Exception as exc:  # e.g. a bfloat16 torch tensor: its interface refuses, DLPack can say it
         cai, cai_error = None, exc
     if cai is not None:
+        if not typed_later and isinstance(cai, dict) and str(cai.get("typestr", "")).strip() in _ANONYMOUS_2B:
+            dev = dlpack_device(obj)
+            if dev is not None and dev[0] in DEVICE_TYPES:
+                return from_dlpack(obj, what, stream)   # a torch bfloat16 tensor: only DLPack names its type
         return from_cuda_array_interface(obj, what, cai, typed_later)
     dev = dlpack_device(obj)
     if dev is not None and dev[0] in DEVICE_TYPES:
