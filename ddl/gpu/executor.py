@@ -164,6 +164,16 @@ def select_device(mpi_comm=None):
 
 
 # ---- runtimes: what run_plan needs from a device -----------------------------------------------------
+class _RawStream:
+    """A raw ``cudaStream_t`` presented through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
 class CupyRuntime:
     """Device operations through CuPy: copies, kernel launches, events, allocation."""
 
@@ -181,12 +191,20 @@ class CupyRuntime:
         if type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"):
             return stream   # cupy.cuda.Stream / ExternalStream
         if isinstance(stream, (int, np.integer)):
-            return cp.cuda.ExternalStream(int(stream))
+            return self._external(int(stream))
         for attr in ("cuda_stream", "ptr", "handle"):
             value = getattr(stream, attr, None)
             if isinstance(value, (int, np.integer)):
-                return cp.cuda.ExternalStream(int(value))
+                return self._external(int(value))
         raise Error(f"stream must be a CuPy stream, a torch.cuda.Stream or a cudaStream_t int, got {stream!r}")
+
+    def _external(self, ptr):
+        """A CuPy stream object for a raw ``cudaStream_t``: ``Stream.from_external`` (CuPy >= 14, which
+        deprecates ExternalStream) through the CUDA stream protocol, else ExternalStream."""
+        stream_class = self.cupy.cuda.Stream
+        if hasattr(stream_class, "from_external"):
+            return stream_class.from_external(_RawStream(ptr))
+        return self.cupy.cuda.ExternalStream(ptr)
 
     def device(self):
         return self.cupy.cuda.Device().id
