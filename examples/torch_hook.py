@@ -1,11 +1,14 @@
 """Data-parallel PyTorch training with ddl gradient hooks (Horovod's DistributedOptimizer pattern).
 
-    mpiexec -n 4 python -m mpi4py examples/torch_hook.py [--steps 30]
+    mpiexec -n 4 python -m mpi4py examples/torch_hook.py [--steps 30] [--device cuda]
 
 A hook on every parameter starts a nonblocking AVG allreduce of its gradient as soon as backward has
-accumulated it (``comm.iallreduce``), so communication overlaps with the rest of backward; before the
-optimizer step the script waits for all of them and copies the averaged gradients back. CPU tensors
-share memory with numpy (``tensor.numpy()``), so no copy is needed to hand a gradient to ddl.
+accumulated it, so communication overlaps with the rest of backward; before the optimizer step the
+script waits for all of them. CPU tensors share memory with numpy (``tensor.numpy()``), so no copy is
+needed to hand a gradient to ddl (``comm.iallreduce``). With ``--device cuda`` the model lives on the
+rank's GPU and each gradient is averaged in place on the device (``comm.Iallreduce(ddl.IN_PLACE, grad)``
+on torch's current stream): NCCL with a GPU per rank, else CUDA-aware MPI or host staging
+(``comm.last_path`` says which, and the script prints it).
 
 Needs PyTorch; without it the script exits with a message saying so.
 """
@@ -26,8 +29,9 @@ from ddl.cli.argtypes import MPIParser, at_least, fail
 class GradientAverager:
     """Registers hooks that average every parameter's .grad across ranks with ddl."""
 
-    def __init__(self, comm, model):
+    def __init__(self, comm, model, on_device=False):
         self.comm = comm
+        self.on_device = on_device
         self.pending = []
         for param in model.parameters():
             if param.requires_grad:
@@ -38,6 +42,10 @@ class GradientAverager:
 
     def _hook(self, param):
         grad = param.grad.detach()
+        if self.on_device:   # in place, ordered after backward's work on torch's current stream
+            stream = torch.cuda.current_stream()
+            self.pending.append((None, self.comm.Iallreduce(ddl.IN_PLACE, grad, op=ddl.AVG, stream=stream)))
+            return
         self.pending.append((param, self.comm.iallreduce(grad.cpu().numpy(), op=ddl.AVG)))
 
     def _grad_hook(self, param, grad):
@@ -47,6 +55,9 @@ class GradientAverager:
     def synchronize(self):
         """Wait for every gradient allreduce of this step and install the averages."""
         for param, req in self.pending:
+            if param is None:
+                req.Wait()
+                continue
             avg = torch.from_numpy(req.wait())
             param.grad.copy_(avg.to(param.grad.device))
         self.pending.clear()
@@ -55,22 +66,33 @@ class GradientAverager:
 def main():
     ap = MPIParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=at_least(1), default=30, help="training steps (default 30)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model and its gradients live (default cpu; cuda: GPU node-local rank %% GPUs)")
     args = ap.parse_args()
     if torch is None:
         sys.exit("examples/torch_hook.py needs PyTorch (pip install torch); it is not installed, nothing to run.")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            fail("--device cuda: torch sees no CUDA device")
+        from ddl.gpu.executor import select_device
+        device = torch.device("cuda", select_device(MPI.COMM_WORLD))  # CuPy's device and torch's agree
+        torch.cuda.set_device(device)
     comm = ddl.Communicator(MPI.COMM_WORLD)
 
     def make_model():
         torch.manual_seed(0)                   # same initial model everywhere
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 1)).double().to(device)
 
     model, reference = make_model(), make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    averager = GradientAverager(comm, model)
+    averager = GradientAverager(comm, model, on_device=device.type == "cuda")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(240, 16, generator=gen, dtype=torch.float64)
     y = torch.tanh(x @ torch.randn(16, 1, generator=gen, dtype=torch.float64))
+    x, y = x.to(device), y.to(device)
     if 240 % comm.size:
         comm.Free()
         fail(f"the batch of 240 does not split evenly over {comm.size} ranks")
@@ -90,9 +112,11 @@ def main():
         worst = max(worst, abs(global_loss - ref_loss.item()) / ref_loss.item())
         if comm.rank == 0 and step % 10 == 0:
             print(f"step {step:3d} loss {global_loss:.8f}  single-process {ref_loss.item():.8f}")
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy()
     same = len(set(MPI.COMM_WORLD.allgather(flat.tobytes()))) == 1
     if comm.rank == 0:
+        if device.type == "cuda":
+            print(f"gradients averaged on the GPU, path: {comm.last_path}")
         print(f"max relative difference of the loss curves: {worst:.2e}; replicas identical: {same}")
         print("TORCH_HOOK OK" if same and worst < 1e-6 else "TORCH_HOOK MISMATCH")
     comm.Free()
