@@ -144,6 +144,8 @@ def test_device_buffers_without_copy():
     a = cupy.arange(12, dtype=cupy.float32).reshape(3, 4)
     b = B.parse_device_buffer(a)
     assert b.ptr == a.data.ptr and b.count == 12 and b.dtype.name == "float32"
+    with cupy.cuda.Stream(non_blocking=True) as st:   # pending work is on the current stream
+        assert B.parse_device_buffer(a).stream == st.ptr
     with pytest.raises(ddl.Error, match="not contiguous"):
         B.parse_device_buffer(a[:, ::2])
     assert B.parse_device_buffer(a.T).count == 12   # Fortran order
@@ -178,6 +180,35 @@ def test_single_rank_nccl_communicator():
     if ok:
         assert ex._nccl is not None
     ex.Free()
+    comm.Free()
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")   # e.g. CuPy 14's on ExternalStream
+def test_torch_cuda_tensors():
+    """torch CUDA tensors go to the device executor as they are: float32 on a torch stream with pending
+    work, bfloat16 (DLPack names its type), in place and nonblocking."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from mpi4py import MPI
+    comm = ddl.Communicator(MPI.COMM_SELF)
+    x = torch.arange(4099, device="cuda", dtype=torch.float32)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 3                      # still pending on s when the collective is enqueued on s
+        out = torch.empty_like(y)
+    comm.Allreduce(y, out, op=ddl.SUM, stream=s)
+    s.synchronize()
+    assert torch.equal(out, x * 3) and comm.last_path in ("nccl", "cuda-aware-mpi")
+    b = torch.randn(1001, device="cuda").to(torch.bfloat16)
+    ob = torch.empty_like(b)
+    comm.Allreduce(b, ob, op=ddl.MAX)
+    torch.cuda.synchronize()
+    assert torch.equal(ob, b)
+    keep = b.clone()
+    comm.Iallreduce(ddl.IN_PLACE, b, op=ddl.AVG).Wait()
+    assert torch.equal(b, keep)
     comm.Free()
 
 
@@ -238,3 +269,104 @@ def test_allreduce_on_cupy_arrays_under_mpiexec(tmp_path, nranks):
         assert "share GPU" in line[0] or "NCCL unusable" in line[0]
     elif nccl_status()[0]:
         assert path == "nccl", line[0]
+
+
+ALL = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+_PIPELINE_COLLECTIVES = {"auto": ALL, "ring": ALL, "halving-doubling": ALL[:3], "recursive-doubling": ALL[:1],
+                         "double-binary-tree": ("allreduce", "broadcast")}
+_PIPELINE_SCRIPT = textwrap.dedent('''
+    """ddl's device pipeline (its kernels, its schedules, transfers per step) with ranks sharing a GPU.
+
+    NCCL refuses two ranks on one GPU, and this MPI is not CUDA-aware; but memory from
+    cudaMallocManaged is readable by the host, so MPI can carry it. Every CuPy allocation here is
+    managed and the executor is told that MPI can take device pointers: the cuda-aware-mpi path then
+    runs ddl's whole device pipeline (copies, reductions on the GPU, one MPI exchange per step)."""
+    import os
+    import numpy as np
+    import cupy
+    from mpi4py import MPI
+    import ddl
+    import ddl.gpu.executor as E
+
+    os.environ["DDL_GPU_PATH"] = "cuda-aware-mpi"
+    E.detect_cuda_aware_mpi = lambda: (True, "managed memory: the host reads it")
+    cupy.cuda.set_allocator(cupy.cuda.MemoryPool(cupy.cuda.malloc_managed).malloc)
+    COLLECTIVES = %r
+    world = MPI.COMM_WORLD
+    rank, p = world.Get_rank(), world.Get_size()
+    checked = 0
+    for algorithm, collectives in COLLECTIVES.items():
+        comm = ddl.Communicator(world, algorithm=algorithm)
+        rng = np.random.default_rng(1000 * rank + len(algorithm))
+        for dt, ops in ((np.float32, (ddl.SUM, ddl.AVG, ddl.MAX)), (np.float16, (ddl.SUM,)),
+                        (np.int64, (ddl.SUM, ddl.MIN))):
+            for n in (p, 8 * p, 65539 * p):
+                h = (rng.standard_normal(n) * 5).astype(dt)
+                d = cupy.asarray(h)
+                for op in ops:
+                    ref, out = np.empty_like(h), cupy.empty_like(d)
+                    comm.Allreduce(h, ref, op=op)                      # host executor
+                    comm.Allreduce(d, out, op=op)
+                    assert comm.last_path == "cuda-aware-mpi", comm.last_path
+                    assert out.get().tobytes() == ref.tobytes(), ("allreduce", algorithm, dt, n, op.name)
+                    checked += 1
+                    if "reduce_scatter" in collectives:
+                        rs_ref, rs = np.empty(n // p, dt), cupy.empty(n // p, dt)
+                        comm.Reduce_scatter_block(h, rs_ref, op=op)
+                        comm.Reduce_scatter_block(d, rs, op=op)
+                        assert rs.get().tobytes() == rs_ref.tobytes(), ("reduce_scatter", algorithm, dt, n, op.name)
+                        checked += 1
+                if "allgather" in collectives:
+                    ag_ref, ag = np.empty(n * p, dt), cupy.empty(n * p, dt)
+                    comm.Allgather(h, ag_ref)
+                    comm.Allgather(d, ag)
+                    assert ag.get().tobytes() == ag_ref.tobytes() == np.concatenate(world.allgather(h)).tobytes()
+                    checked += 1
+                if "broadcast" in collectives:
+                    b = d.copy()
+                    comm.Bcast(b, root=p - 1)
+                    assert b.get().tobytes() == world.bcast(h, root=p - 1).tobytes()
+                    checked += 1
+        comm.Free()
+    world.Barrier()
+    if rank == 0:
+        print(f"RESULT checked={checked}", flush=True)
+''')
+
+
+@pytest.mark.parametrize("nranks", [3, 4])
+@pytest.mark.timeout(600)
+def test_device_pipeline_with_ranks_sharing_a_gpu(tmp_path, nranks):
+    """The device path proper (not host staging) on real kernels: results equal the host executor's."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    if not cupy.cuda.Device(0).attributes.get("ConcurrentManagedAccess", 0):
+        pytest.skip("this GPU cannot share managed memory with the host while kernels run")
+    script = tmp_path / "gpu_pipeline.py"
+    script.write_text(_PIPELINE_SCRIPT % (_PIPELINE_COLLECTIVES,))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
+    proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    # 3 sizes x (each op of the dtype: allreduce, reduce-scatter; once: allgather, broadcast)
+    expected = sum(3 * (ops * len(set(cs) & set(ALL[:2])) + len(set(cs) & set(ALL[2:])))
+                   for cs in _PIPELINE_COLLECTIVES.values() for ops in (3, 1, 2))
+    assert line and int(line[0].split("checked=")[1]) == expected, (expected, proc.stdout[-3000:])
+
+
+@pytest.mark.timeout(300)
+def test_torch_hook_example_on_the_gpu():
+    """examples/torch_hook.py --device cuda: gradients averaged in place on the GPU under mpiexec, the
+    loss curve equal to single-process training and the replicas identical."""
+    pytest.importorskip("torch")
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "examples/torch_hook.py", "--device", "cuda",
+                           "--steps", "6"], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280)
+    assert proc.returncode == 0 and "TORCH_HOOK OK" in proc.stdout, proc.stdout[-4000:]
+    path = proc.stdout.split("path: ")[1].split()[0]
+    assert path == ("nccl" if _NDEV >= 2 and nccl_status()[0] else "host-staged"), proc.stdout[-2000:]
