@@ -25,7 +25,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "gpu": ["cupy-cuda12x"],
+        "gpu": ["cupy-cuda12x", "ml_dtypes"],      # CUDA 12 drivers
+        "gpu-cuda13": ["cupy-cuda13x", "ml_dtypes"],  # CUDA 13 drivers
         "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
         "bf16": ["ml_dtypes"],
     },

@@ -15,6 +15,9 @@ needs numpy only; CuPy is imported when a collective actually runs on device buf
 __all__ = ["DTYPES", "DeviceBuffer", "DeviceDType", "device_dtype", "is_device_buffer", "parse_device_buffer",
            "NcclExecutor", "detect_cuda_aware_mpi"]
 
+INSTALL_CUPY = ("pip install cupy-cuda12x (CUDA 12) or cupy-cuda13x (CUDA 13), or in ddl's source tree "
+                "pip install -e '.[gpu]' or '.[gpu-cuda13]'")
+
 from .buffers import DTYPES, DeviceBuffer, DeviceDType, device_dtype, is_device_buffer, parse_device_buffer  # noqa: F401
 
 

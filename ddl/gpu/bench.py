@@ -17,6 +17,7 @@ implementation alike.
 
 from ..bench import Skip, poison
 from ..errors import Error
+from . import INSTALL_CUPY
 
 
 class DeviceMemory:
@@ -31,8 +32,7 @@ class DeviceMemory:
         try:
             import cupy
         except ImportError as exc:
-            cupy, problem = None, (f"CuPy cannot be imported ({exc}); pip install cupy-cuda12x, or pip install "
-                                   f"-e '.[gpu]' in ddl's source tree")
+            cupy, problem = None, f"CuPy cannot be imported ({exc}); {INSTALL_CUPY}"
         if cupy is not None:
             try:
                 if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -53,6 +53,7 @@ from ..agreement import announced, format_ranks
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
 from ..ops import LOGICAL, SUM, check_op_dtype, reduce_into, resolve_op
+from . import INSTALL_CUPY
 from .buffers import DTYPES, DeviceBuffer, parse_device_buffer
 from .launch_plan import RECV_BUF, SCRATCH_BUF, SEND_BUF, WORK_BUF, launch_plan
 
@@ -494,8 +495,7 @@ class NcclExecutor:
             try:
                 self._rt = CupyRuntime()
             except ImportError as exc:
-                raise Error(f"device buffers need CuPy (pip install cupy-cuda12x, or pip install -e '.[gpu]' in "
-                            f"ddl's source tree): {exc}") from None
+                raise Error(f"device buffers need CuPy ({INSTALL_CUPY}): {exc}") from None
         return self._rt
 
     def _agree_all(self, flag):
