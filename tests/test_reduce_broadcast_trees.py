@@ -100,3 +100,42 @@ def test_one_rank_and_limits():
         ALGORITHMS["reduce-broadcast-trees"](star([10, 10]), "broadcast")
     with pytest.raises(PlanError, match="up to 64 ranks"):
         ALGORITHMS["reduce-broadcast-trees"](Topology.load("topologies/ibm-3tier-192.yaml"), "allreduce")
+
+
+def _zoo_dgx1_fragment(members, message_cost=None):
+    """The zoo's DGX-1 (PCIe switches and CPUs included) with ``members`` as its ranks."""
+    from ddl.topology_file import explicit
+    base = Topology.load("topologies/dgx1-v100.yaml")
+    data = explicit(base._spec)
+    if message_cost is not None:
+        data.setdefault("defaults", {})["message_cost"] = message_cost
+    return Topology.from_dict(data).with_ranks([base.ranks[g] for g in members])
+
+
+@pytest.mark.parametrize("members, gap", [([0, 1, 4, 5], 1.02), ([0, 1, 2, 3, 7], 1.02), ([0, 4, 6, 7], 1.2)])
+def test_pieces_double_while_predicted_faster(members, gap):
+    """A piece reduces up its tree and comes back down, so few pieces leave the pipeline filling and
+    draining for much of the time (1.13, 1.28 and 1.46 of the bound with the first count here): the
+    count doubles while each doubling is predicted 1% faster, and the plan ends near the bound and
+    well ahead of reduce-scatter + allgather trees (tree-packing)."""
+    topo = _zoo_dgx1_fragment(members)
+    sched, t, bound = planned(topo)
+    tried = sched.info["pipelines_tried"]
+    pieces = [d["pieces"] for d in tried]
+    assert pieces == sorted(set(pieces)) and len(pieces) >= 3
+    assert tried[0]["seconds"] > 1.1 * bound                     # the first count alone is far off
+    assert t == pytest.approx(min(d["seconds"] for d in tried if d["pieces"] <= sched.info["pieces"]))
+    assert sched.info["pieces"] in pieces and bound <= t <= gap * bound
+    packing = ALGORITHMS["tree-packing"](topo, "allreduce", nbytes=N)
+    assert t < 0.95 * simulate(topo, packing, N).seconds
+
+
+def test_a_message_cost_keeps_the_pieces_fewer():
+    """Charged per message, the deeper pipelines lose what they gain: fewer pieces are kept."""
+    free = ALGORITHMS["reduce-broadcast-trees"](_zoo_dgx1_fragment([0, 1, 2, 3, 7]), "allreduce", nbytes=N)
+    charged = ALGORITHMS["reduce-broadcast-trees"](_zoo_dgx1_fragment([0, 1, 2, 3, 7], "100 us"), "allreduce",
+                                                   nbytes=N)
+    verify(charged)
+    assert charged.info["pieces"] < free.info["pieces"]
+    assert "pipelines_tried" not in ALGORITHMS["reduce-broadcast-trees"](dgx1_fragment([0, 1, 4, 5]),
+                                                                          "allreduce").info   # unsized: no tries
