@@ -749,16 +749,29 @@ class Communicator:
         return ex
 
     # ---- Horovod-style functional API ---------------------------------------------------------------
-    @_announced("allreduce")
     def allreduce(self, array, op=SUM):
-        """A new array: ``op`` over every rank's ``array`` (any array-like; scalars give scalars)."""
+        """A new array: ``op`` over every rank's ``array`` (any array-like; scalars give scalars). A CuPy
+        array or torch CUDA tensor gives a new one of its kind, made on the device."""
+        dev = self._device_for("allreduce", array)
+        if dev is not None:
+            return dev.allreduce(array, op)
+        return self._host_allreduce(array, op)
+
+    def iallreduce(self, array, op=SUM):
+        """Nonblocking :meth:`allreduce`: ``req.wait()`` returns the new array."""
+        dev = self._device_for("allreduce", array)
+        if dev is not None:
+            return dev.iallreduce(array, op)
+        return self._host_iallreduce(array, op)
+
+    @_announced("allreduce")
+    def _host_allreduce(self, array, op):
         arr, out, result = _functional(array)
         self._engine.wait(self._allreduce_start(arr, out, op, blocking=True))
         return result()
 
     @_announced("allreduce")
-    def iallreduce(self, array, op=SUM):
-        """Nonblocking :meth:`allreduce`: ``req.wait()`` returns the new array."""
+    def _host_iallreduce(self, array, op):
         arr, out, result = _functional(array)
         return Request(self._allreduce_start(arr, out, op), self._engine, result)
 

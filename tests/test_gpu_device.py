@@ -183,6 +183,22 @@ def test_single_rank_nccl_communicator():
     comm.Free()
 
 
+def test_functional_allreduce_returns_a_new_device_array():
+    from mpi4py import MPI
+    comm = ddl.Communicator(MPI.COMM_SELF)
+    x = cupy.arange(10, dtype=cupy.float32)
+    y = comm.allreduce(x, op=ddl.SUM)
+    assert isinstance(y, cupy.ndarray) and y.data.ptr != x.data.ptr and y.get().tolist() == x.get().tolist()
+    z = comm.iallreduce(x, op=ddl.MAX).wait()
+    assert isinstance(z, cupy.ndarray) and z.get().tolist() == x.get().tolist()
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        t = torch.full((5,), 2.0, device="cuda")
+        u = comm.allreduce(t, op=ddl.AVG)
+        assert isinstance(u, torch.Tensor) and u.is_cuda and u.data_ptr() != t.data_ptr() and torch.equal(u, t)
+    comm.Free()
+
+
 @pytest.mark.filterwarnings("error::DeprecationWarning")   # e.g. CuPy 14's on ExternalStream
 def test_torch_cuda_tensors():
     """torch CUDA tensors go to the device executor as they are: float32 on a torch stream with pending
@@ -309,6 +325,8 @@ _PIPELINE_SCRIPT = textwrap.dedent('''
                     comm.Allreduce(d, out, op=op)
                     assert comm.last_path == "cuda-aware-mpi", comm.last_path
                     assert out.get().tobytes() == ref.tobytes(), ("allreduce", algorithm, dt, n, op.name)
+                    fresh = comm.allreduce(d, op=op)                   # functional: a new CuPy array
+                    assert isinstance(fresh, cupy.ndarray) and fresh.get().tobytes() == ref.tobytes()
                     checked += 1
                     if "reduce_scatter" in collectives:
                         rs_ref, rs = np.empty(n // p, dt), cupy.empty(n // p, dt)

@@ -1185,3 +1185,21 @@ def test_anonymous_two_byte_interface_gives_way_to_dlpack():
     assert typed.dtype.name == "float16" and typed.count == 6    # the caller named the type: raw bytes
     plain = FakeBothInterfaces("<f4")
     assert B.parse_device_buffer(plain).source != "dlpack" and plain.streams == []
+
+
+def test_functional_allreduce_of_a_device_array_goes_to_the_device_executor():
+    """comm.allreduce(device array) returns a new array of the same kind from the device executor; an
+    array type it cannot make a new one of gets an error naming the supported kinds and the buffer API."""
+    from mpi4py import MPI
+    from ddl.gpu.executor import HostRuntime, NcclExecutor
+    sys.path.insert(0, str(Path(__file__).parent / "mpi_cases"))
+    from _host_array import HostArray
+    comm = ddl.Communicator(MPI.COMM_SELF)
+    comm._device = NcclExecutor(comm, runtime=HostRuntime(), path="cuda-aware-mpi")
+    x = HostArray(np.arange(4.0))
+    for call in (comm.allreduce, comm.iallreduce):
+        with pytest.raises(ddl.Error, match=r"CuPy arrays and torch tensors .* use Allreduce\(send, recv\)"):
+            call(x)
+    assert comm.allreduce(np.arange(3)).tolist() == [0, 1, 2] and comm.last_path == "host"
+    assert comm.allreduce(2.5) == 2.5
+    comm.Free()

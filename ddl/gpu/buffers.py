@@ -431,7 +431,7 @@ def is_device_buffer(spec):
     PyTorch CPU tensor says CPU there), then at whether ``__cuda_array_interface__`` exists.
     """
     obj = _unwrap(spec)
-    if obj is None or isinstance(obj, (np.ndarray, bytes, bytearray, memoryview)):
+    if obj is None or isinstance(obj, (np.ndarray, np.generic, int, float, complex, bytes, bytearray, memoryview)):
         return False
     dev = dlpack_device(obj)
     if dev is not None:
