@@ -32,6 +32,7 @@ class GradientAverager:
     def __init__(self, comm, model, on_device=False):
         self.comm = comm
         self.on_device = on_device
+        self.path = "host"
         self.pending = []
         for param in model.parameters():
             if param.requires_grad:
@@ -57,6 +58,7 @@ class GradientAverager:
         for param, req in self.pending:
             if param is None:
                 req.Wait()
+                self.path = self.comm.last_path     # where the gradients went (the loss goes by host)
                 continue
             avg = torch.from_numpy(req.wait())
             param.grad.copy_(avg.to(param.grad.device))
@@ -116,7 +118,7 @@ def main():
     same = len(set(MPI.COMM_WORLD.allgather(flat.tobytes()))) == 1
     if comm.rank == 0:
         if device.type == "cuda":
-            print(f"gradients averaged on the GPU, path: {comm.last_path}")
+            print(f"gradients averaged on the GPU, path: {averager.path}")
         print(f"max relative difference of the loss curves: {worst:.2e}; replicas identical: {same}")
         print("TORCH_HOOK OK" if same and worst < 1e-6 else "TORCH_HOOK MISMATCH")
     comm.Free()
