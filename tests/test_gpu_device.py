@@ -263,20 +263,26 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
-@pytest.mark.timeout(600)
-def test_allreduce_on_cupy_arrays_under_mpiexec(tmp_path, nranks):
+def _result_under_mpiexec(tmp_path, nranks, text, **env):
+    """Run the script ``text`` on ``nranks`` ranks (exit status 0 asserted); its rank 0's RESULT line."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.skip("mpiexec not found")
-    script = tmp_path / "gpu_allreduce.py"
-    script.write_text(_SCRIPT)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"))
+    script = tmp_path / "gpu_script.py"
+    script.write_text(text)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), **env)
     proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)
     assert proc.returncode == 0, proc.stdout[-6000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stdout[-3000:]
+    return line
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.timeout(600)
+def test_allreduce_on_cupy_arrays_under_mpiexec(tmp_path, nranks):
+    line = _result_under_mpiexec(tmp_path, nranks, _SCRIPT)
     print(line[0])
     path = line[0].split("path=")[1].split()[0]
     if _NDEV < nranks:
@@ -356,22 +362,13 @@ _PIPELINE_SCRIPT = textwrap.dedent('''
 @pytest.mark.timeout(600)
 def test_device_pipeline_with_ranks_sharing_a_gpu(tmp_path, nranks):
     """The device path proper (not host staging) on real kernels: results equal the host executor's."""
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found")
     if not cupy.cuda.Device(0).attributes.get("ConcurrentManagedAccess", 0):
         pytest.skip("this GPU cannot share managed memory with the host while kernels run")
-    script = tmp_path / "gpu_pipeline.py"
-    script.write_text(_PIPELINE_SCRIPT % (_PIPELINE_COLLECTIVES,))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
-    proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    line = _result_under_mpiexec(tmp_path, nranks, _PIPELINE_SCRIPT % (_PIPELINE_COLLECTIVES,), DDL_INLINE_BYTES="0")
     # 3 sizes x (each op of the dtype: allreduce, reduce-scatter; once: allgather, broadcast)
     expected = sum(3 * (ops * len(set(cs) & set(ALL[:2])) + len(set(cs) & set(ALL[2:])))
                    for cs in _PIPELINE_COLLECTIVES.values() for ops in (3, 1, 2))
-    assert line and int(line[0].split("checked=")[1]) == expected, (expected, proc.stdout[-3000:])
+    assert int(line[0].split("checked=")[1]) == expected, (expected, line[0])
 
 
 @pytest.mark.timeout(300)
