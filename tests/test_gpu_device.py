@@ -183,6 +183,33 @@ def test_single_rank_nccl_communicator():
     comm.Free()
 
 
+def test_collectives_keep_their_call_order_across_streams():
+    """The contract: a collective on another stream than the one before sees its result (NCCL needs
+    the same order on every rank), and Free() leaves nothing of the communicator's queued. s1 is kept
+    busy ahead of the first collective. (On one rank this passed on an H100 also before the executor
+    ordered streams itself: the second call did not return before s1 was done, for a reason not
+    established; with peers, NCCL's order is what the explicit wait guarantees.)"""
+    from mpi4py import MPI
+    comm = ddl.Communicator(MPI.COMM_SELF)
+    n = 1 << 26
+    a, b, c = cupy.ones(n, cupy.float32), cupy.zeros(n, cupy.float32), cupy.full(n, -1, cupy.float32)
+    cupy.cuda.get_current_stream().synchronize()
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with s1:
+        for _ in range(30):
+            a *= 1.0                     # about 5 ms of work ahead of the first collective
+    comm.Iallreduce(a, b, stream=s1)
+    comm.Iallreduce(b, c, stream=s2)
+    s2.synchronize()
+    assert comm.last_path == "nccl" and bool((c == 1).all())
+    with s1:
+        for _ in range(30):
+            a *= 1.0
+    comm.Iallreduce(a, b, stream=s1)
+    comm.Free()
+    assert s1.done
+
+
 def test_functional_allreduce_returns_a_new_device_array():
     from mpi4py import MPI
     comm = ddl.Communicator(MPI.COMM_SELF)

@@ -29,8 +29,11 @@ and the decision is collective, so every rank takes the same path.
 a raw ``cudaStream_t`` as an int), else on CuPy's current stream. It is enqueued after the work
 already on that stream (so the kernels that produced the data need no synchronisation), buffers
 exported with their own stream (CUDA array interface v3, DLPack) are made to wait for it, and the
-result is visible to work enqueued on the stream afterwards. The NCCL path returns once everything
-is enqueued, like NCCL itself (``Wait()`` on a request, or ``stream.synchronize()``, waits for the
+result is visible to work enqueued on the stream afterwards. Collectives of one communicator run on
+the device in the order they were called, whatever their streams: a collective on another stream than
+the one before waits for that one first (NCCL needs its operations in the same order on every rank, and
+two streams would let the device interleave them), and ``Free()`` waits for the last. The NCCL path
+returns once everything is enqueued, like NCCL itself (``Wait()`` on a request, or ``stream.synchronize()``, waits for the
 device); keep the buffers alive until then. The other paths return when the result is in place.
 
 **Reduction order.** Reductions happen in each chunk's program order, on every path (see
@@ -277,6 +280,10 @@ class CupyRuntime:
         ev.record(stream)
         return ev
 
+    def wait_event(self, stream, event):
+        """Make ``stream`` wait until ``event`` (from :meth:`record`) has happened."""
+        stream.wait_event(event)
+
 
 def _host_view(ptr, nbytes):
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)) if nbytes else np.empty(0, np.uint8)
@@ -334,6 +341,9 @@ class HostRuntime:
 
     def record(self, stream):
         return None
+
+    def wait_event(self, stream, event):
+        pass
 
 
 class _HostAlloc:
@@ -486,6 +496,7 @@ class NcclExecutor:
         self._pinned = {}
         self._prepared = {}
         self._freed = False
+        self._previous = None     # (event, stream ptr) of the last collective enqueued on the NCCL path
         self._entered = 0         # calls that reached the agreement (see _announced)
 
     # ---- runtime and path ---------------------------------------------------------------------------
@@ -765,13 +776,17 @@ class NcclExecutor:
         for b in (send, recv):
             if b is not None and b.stream is not None:
                 rt.wait_stream(s, b.stream)
+        if self._previous is not None and self._previous[1] != s.ptr:
+            rt.wait_event(s, self._previous[0])     # the previous collective ran on another stream
         ptrs = {SEND_BUF: send.ptr if send is not None else 0, RECV_BUF: recv.ptr, WORK_BUF: work,
                 SCRATCH_BUF: scratch}
         transport = NcclTransport(self._nccl) if path == "nccl" else MpiTransport(self._mcomm, rt)
         run_plan(lp, ptrs, transport, rt, kop, dt, s)
         self._finish(layout, recv, count, op, rt, s)
         if path == "nccl":
-            return DeviceRequest(rt.record(s))
+            done = rt.record(s)
+            self._previous = (done, s.ptr)
+            return DeviceRequest(done)
         rt.synchronize(s)
         return DeviceRequest()
 
@@ -943,6 +958,9 @@ class NcclExecutor:
         if self._freed:
             return
         self._freed = True
+        if self._previous is not None and self._previous[0] is not None:
+            self._previous[0].synchronize()   # NCCL work still queued: destroy and free after it
+        self._previous = None
         self._nccl_destroy()
         self._buffers.clear()
         self._pinned.clear()
