@@ -37,7 +37,7 @@ AUTO = "auto"
 PARALLEL_MIN_OPS = 100_000
 # Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
 # registered algorithms is part of the cache key anyway).
-PLANNER_REVISION = 20
+PLANNER_REVISION = 21
 
 
 @dataclass(frozen=True)
