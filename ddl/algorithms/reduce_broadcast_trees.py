@@ -176,7 +176,7 @@ def _roots_by_simulation(topo, sched, centres, rooted, weights, rate, target, nb
     carries pieces of several trees, its messages go one after the other and share a link with the
     other pairs evenly, not in the proportions the LP planned, and the root decides which direction's
     pieces wait on slow reductions. On the DGX-1's GPUs {0, 4, 6, 7} rooting the two trees that cross
-    the PCIe/CPU path at gpu6 instead of gpu0 takes the 256 MiB allreduce from 1.18 to 1.01 of the
+    the PCIe/CPU path at gpu6 instead of gpu0 takes the 256 MiB allreduce from 1.18 to 1.02 of the
     bound."""
     seconds = simulate(topo, sched, nbytes).seconds
     budget = ROOT_CHOICE_OPS
@@ -225,7 +225,8 @@ def _deeper_while_faster(topo, sched, seconds, rooted, weights, rate, target, mo
     MAX_TRANSFERS in all). A piece reduces up its tree and comes back down, so the pipeline fills and
     drains through twice the tree's depth: on the DGX-1's fragments (ranks {0, 1, 4, 5}, {0, 1, 2, 3, 7}
     and {0, 4, 6, 7}, PCIe and CPUs included) the pieces of about 8 per tree came to 1.13, 1.28 and
-    1.46 of the bound at 256 MiB, 32 times as many to 1.01, 1.01 and 1.18."""
+    1.46 of the bound at 256 MiB, 32 times as many to 1.01, 1.01 and 1.18 (the last 1.02 once its trees
+    are rooted as :func:`_roots_by_simulation` says)."""
     kept, kept_seconds = sched, seconds
     tried = [(sched, kept_seconds)]
     total = sched.info["pieces"]

@@ -33,8 +33,8 @@ result is visible to work enqueued on the stream afterwards. Collectives of one 
 the device in the order they were called, whatever their streams: a collective on another stream than
 the one before waits for that one first (NCCL needs its operations in the same order on every rank, and
 two streams would let the device interleave them), and ``Free()`` waits for the last. The NCCL path
-returns once everything is enqueued, like NCCL itself (``Wait()`` on a request, or ``stream.synchronize()``, waits for the
-device); keep the buffers alive until then. The other paths return when the result is in place.
+returns once everything is enqueued, like NCCL itself (``Wait()`` on a request, or
+``stream.synchronize()``, waits for the device); keep the buffers alive until then. The other paths return when the result is in place.
 
 **Reduction order.** Reductions happen in each chunk's program order, on every path (see
 :mod:`ddl.gpu.launch_plan`), and the kernels round after every operation: results are bitwise
