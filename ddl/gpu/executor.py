@@ -34,7 +34,8 @@ the device in the order they were called, whatever their streams: a collective o
 the one before waits for that one first (NCCL needs its operations in the same order on every rank, and
 two streams would let the device interleave them), and ``Free()`` waits for the last. The NCCL path
 returns once everything is enqueued, like NCCL itself (``Wait()`` on a request, or
-``stream.synchronize()``, waits for the device); keep the buffers alive until then. The other paths return when the result is in place.
+``stream.synchronize()``, waits for the device); keep the buffers alive until then. The other paths
+return when the result is in place.
 
 **Reduction order.** Reductions happen in each chunk's program order, on every path (see
 :mod:`ddl.gpu.launch_plan`), and the kernels round after every operation: results are bitwise
@@ -341,9 +342,6 @@ class HostRuntime:
 
     def record(self, stream):
         return None
-
-    def wait_event(self, stream, event):
-        pass
 
 
 class _HostAlloc:
@@ -958,7 +956,7 @@ class NcclExecutor:
         if self._freed:
             return
         self._freed = True
-        if self._previous is not None and self._previous[0] is not None:
+        if self._previous is not None:
             self._previous[0].synchronize()   # NCCL work still queued: destroy and free after it
         self._previous = None
         self._nccl_destroy()

@@ -269,7 +269,7 @@ class KernelCache:
         self._kernels = {}
         self._lock = threading.Lock()
         self._sms = {}
-        self._launch = {}        # (op, dtype as given, inputs, device) -> (kernel, itemsize)
+        self._launch = {}        # (op, dtype as given, inputs, device) -> (kernel, itemsize, SMs)
 
     def _get(self, name, make_source):
         """The kernel ``name`` on the current device; ``make_source()`` gives its source, asked only when
@@ -330,10 +330,10 @@ class KernelCache:
                 entry = self._launch.get(key)
                 if entry is None:
                     dt = device_dtype(dtype)
-                    entry = self._launch[key] = (self.reduce_kernel(op, dt, len(part)), dt.itemsize)
-                kern, itemsize = entry
-                grid, block = launch_config(count, itemsize, len(part), self.sm_count(),
-                                            co_aligned([out, src, *part]))
+                    entry = self._launch[key] = (self.reduce_kernel(op, dt, len(part)), dt.itemsize,
+                                                 self.sm_count())
+                kern, itemsize, sms = entry
+                grid, block = launch_config(count, itemsize, len(part), sms, co_aligned([out, src, *part]))
                 kern((grid,), (block,), (int(out), int(src), *map(int, part), int(count)))
                 src = out
 
