@@ -78,6 +78,14 @@ def test_frame_size_and_goodput():
             plan_network(two_rack(), "ddl-7", mtu=bad)
 
 
+def test_the_tbf_bucket_holds_a_whole_gso_packet_at_every_frame_size():
+    # tbf segments in software any packet its bucket cannot hold, and it counts a GSO packet with every
+    # segment's headers: 64 KiB of TCP over 1500-byte frames is 46 segments, 68506 bytes to tbf
+    assert netns.gso_wire_bytes(1500) == 65536 + 45 * 66
+    assert netns.gso_wire_bytes(9000) == 65536 + 7 * 66              # 8 segments of jumbo frames
+    assert all(netns.gso_wire_bytes(mtu) <= netns.TBF_MIN_BURST for mtu in (1280, 1500, 9000, 65535))
+
+
 def test_interleaved_ranks_and_hydra_hosts():
     topo = two_rack(interleaved=True)
     plan = plan_network(topo, "ddl-7")
@@ -403,6 +411,10 @@ def test_cluster_selfcheck_allreduce_teardown(tmp_path):
         eth0 = subprocess.run(cluster.host_argv("n1", ["cat", "/sys/class/net/eth0/mtu"]), capture_output=True,
                               text=True, timeout=10).stdout.strip()
         assert eth0 == "9000"                  # and the self-check below finds the rates at that size
+        shaper = subprocess.run(cluster.host_argv("n1", ["tc", "-j", "qdisc", "show", "dev", "eth0"]),
+                                capture_output=True, text=True, timeout=10).stdout
+        tbf = [q for q in json.loads(shaper) if q["kind"] == "tbf"]
+        assert len(tbf) == 1 and tbf[0]["options"]["burst"] >= netns.gso_wire_bytes(9000), shaper
         checks = selfcheck(cluster, topo, timeout=60)
         assert [c.cls for c in checks] == [SAME_HOST, "same switch"] and all(c.ok for c in checks)
         res = launch.run(cluster, [sys.executable, str(script)], launch.rank_hosts(topo), timeout=60,
