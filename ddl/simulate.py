@@ -180,13 +180,20 @@ def load_seconds(topo, schedule, nbytes):
     lower bound on its makespan, found without simulating (the bytes a link carries do not depend on
     when they cross it). Two layouts of the same data that differ only in which links carry it compare
     by this at a fraction of a simulation's cost."""
+    return max((b / topo.capacity(*link) for link, b in link_totals(topo, schedule, nbytes).items()), default=0.0)
+
+
+def link_totals(topo, schedule, nbytes):
+    """``{(u, v): bytes}`` that every directed link carries when ``schedule`` moves a buffer of
+    ``nbytes`` (links that carry nothing left out), without simulating: what
+    :attr:`Simulation.link_bytes` will say."""
     run = _Run(topo, schedule, float(nbytes))
     n, kind, rank, size, partner, _, _ = run._flatten()
     if n == 0:
-        return 0.0
+        return {}
     _, pair_route, pair_bytes, _ = run._pairs(kind, rank, partner, size)
     total = _link_totals(run.fabric, pair_route, pair_bytes)
-    return float((total / np.array(run.fabric.caps)).max()) if len(total) else 0.0
+    return {key: float(b) for key, b in zip(run.fabric.keys, total) if b > 0}
 
 
 def max_min_rates(flow_links, capacity, weights=None, bottlenecks=False):

@@ -454,7 +454,7 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
         again = hierarchical_schedule(order, [by_size[n] for n in t["stages"] if n > 1], "allreduce", t["waves"],
                                       waves=t["waves"], ramped=True, lift=t["lift"], lag=WAVE_LAG,
                                       exchange=t["exchange"], split=True, balanced=t["balanced"],
-                                      leaders=t["leaders"])
+                                      leaders=t["leaders"], shares=t["shares"])
         assert [len(st["groups"]) for st in again.info["stages"]] == t["stages"]
         assert again.info["wave_parts"] == t["wave_parts"]
         assert simulate(topo, again, nbytes).seconds == t["seconds"]

@@ -141,6 +141,23 @@ schedules, which try no variants, take equal shares wherever the groups are uneq
 32 and 16 ranks: 1.026 instead of 1.072). The variant keeps the waves of the one kept so far, or
 fewer where its smaller chunks would fall under the floor.
 
+Weighted shares. Where one group below the top sits behind a much slower link than the others (the T4
+hosts of the heterogeneous cluster behind 25 or 50 Gbit/s, the rest behind 100-400), no proportion of
+one share per rank or per group serves it: with ``m`` groups exchanging directly at the top, a group
+holding ``s`` of the buffer sends and takes ``1 + s (m - 2)`` buffers through its link, so the slow
+group should hold nothing and only send its sums out and take the results in, as the bound counts.
+What a target's chunks put on every link is the same whatever the other targets hold, and grows with
+its share, so :func:`weighted_shares` builds each target's schedule alone (one chunk), and an LP
+finds the shares that load the busiest link least, then the most even ones at that load. The variant
+exchanges directly at the top stage, is tried after equal shares where the LP loads the busiest link
+at least 1% less than the schedule kept, and leaders then keep its shares. On the heterogeneous
+cluster with 50 Gbit/s T4 NICs (the zoo's file with its T4 NICs doubled) that takes hierarchical's
+256 MiB allreduce from 58.5 ms, 1.361 times the bound, to 48.0 ms, 1.117 (and makes it ``auto``'s
+choice there); with the zoo's 25 Gbit/s from 115.7 ms (1.347) to 93.4 ms (1.088), where tree-packing
+(88.4 ms) stays faster. Every wave's way through the slow link is shared by as many rank pairs as
+targets and ends as a whole before its sums come back, so more waves gain: 48 would reach 1.034 at
+25 Gbit/s, but the 256 KiB floor allows 12 to 16.
+
 How many waves overlap best depends on how the tiers' rates and latencies compare, and no rule
 caught it: on the DGX A100 clusters sixteen waves (lifted) were predicted 1.4-2.2% faster than
 eight before the lag, on the oversubscribed leaf-spine 3% slower; with the lag, eight are best on
@@ -167,9 +184,11 @@ the rings) wherever it is faster.
 import math
 from itertools import combinations
 
+import numpy as np
+
 from ..errors import PlanError
 from ..schedule import ScheduleBuilder
-from ..simulate import load_seconds, simulate
+from ..simulate import link_totals, load_seconds, simulate
 from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
 from .variants import CHOOSE_VARIANTS_OPS, replaces
@@ -193,6 +212,10 @@ MAX_LIFT = 3
 # Variants (tiers left out, more waves under these caps) are simulated to choose among them
 # (:mod:`ddl.algorithms.variants`).
 WAVE_CAPS = (MAX_PIPELINE, 12, 16)
+# Weighted shares (see Weighted shares) are rounded to steps of 1/SHARE_STEPS of the largest, and tried
+# where they load the busiest link at least WEIGHTED_GAIN less than the schedule kept so far.
+SHARE_STEPS = 64
+WEIGHTED_GAIN = 0.01
 
 
 def stage_partitions(nranks, partitions):
@@ -238,7 +261,7 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
 
 def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=NAME, waves=1, ramped=False,
                           lift=0, span_pieces=SPAN_PIECES[0], lag=0, exchange=(), split=False, balanced=False,
-                          leaders=False, handoff=True, lead=True, **info):
+                          leaders=False, handoff=True, lead=True, shares=None, **info):
     """Hierarchical ``collective``: rings in ``order`` (a permutation of ``range(p)``) inside the groups
     of ``partitions`` (fastest first; see :func:`stage_partitions`). The ``k`` chunks of every target
     are split into ``waves`` (1..k) groups, each listed through every stage before the next;
@@ -251,7 +274,8 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     before the next. ``balanced``: an allreduce's groups below the top stage hold equal shares
     (:func:`share_weights`, see Equal shares) instead of one per rank. ``lead``: with two stages and the
     handoff, an allreduce's first stage lists the next wave's first blocks for the top stage ahead of
-    this wave's later ones (see Lead)."""
+    this wave's later ones (see Lead). ``shares``: an allreduce's integer weight per target (0: it
+    holds nothing), in place of ``balanced`` or one per rank (see Weighted shares)."""
     order = [int(r) for r in order]
     p = len(order)
     check_request(algorithm, collective, p, root)
@@ -261,7 +285,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     weights = ramp(k, lift) if ramped else (1,) * k
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
-        share = share_weights(p, stages) if balanced else (1,) * p
+        share = tuple(shares) if shares is not None else share_weights(p, stages) if balanced else (1,) * p
         leaders = bool(leaders and stages)      # (a single rank has no stage, nor a group to lead)
         if leaders:
             share = leader_shares(share, stages[0], pos)
@@ -329,6 +353,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     return b.build(order=order, chunks_per_target=k, waves=waves, ramped=ramped, lift=lift if ramped else 0,
                    span_pieces=spans, lag=lag, exchange_stages=list(exchange), wave_parts=len(wave) // waves,
                    balanced=bool(balanced and collective == "allreduce"),
+                   shares=list(shares) if shares is not None and collective == "allreduce" else None,
                    leaders=bool(leaders and collective == "allreduce"), handoff=ahead is not None, lead=lead,
                    stages=[{"groups": [list(g) for g in groups], "group_sizes": [len(g) for g in groups]}
                            for groups in stages], **info)
@@ -467,6 +492,50 @@ def share_weights(p, stages):
     return tuple(weight)
 
 
+def weighted_shares(topo, order, tiers, exchange=()):
+    """``(shares, seconds per byte)``: an integer weight per target of an allreduce on ``tiers``' stages
+    (ring order ``order``, exchanging directly at the stages in ``exchange``) that leaves its busiest
+    link the least loaded, and that load per byte of the buffer; None where one share per rank is as
+    good. The bytes a target's chunks put on each link are the same whatever the other targets hold
+    and grow with its share, so an LP (HiGHS) finds the shares: least ``T`` with every link's load
+    over its capacity at most ``T``; then, at that ``T``, the most even shares (least largest share),
+    since every target that holds nothing or little leaves its ranks' links idle in the pipeline. Shares
+    below 1/64 of the largest are dropped (see Weighted shares)."""
+    from scipy.optimize import linprog
+
+    p = topo.nranks
+    loads = [link_totals(topo, hierarchical_schedule(order, tiers, "allreduce", span_pieces=1, exchange=exchange,
+                                                     shares=[int(r == t) for r in range(p)]), 1.0)
+             for t in range(p)]
+    links = sorted({link for load in loads for link in load})
+    row = {link: i for i, link in enumerate(links)}
+    use = np.zeros((len(links), p))
+    for t, load in enumerate(loads):
+        for link, nbytes in load.items():
+            use[row[link], t] = nbytes / topo.capacity(*link)
+    scale = use.max()               # seconds per byte are ~1e-10: below HiGHS's tolerances unless scaled
+    use /= scale
+    ones = np.ones((1, p))
+
+    def solve(cost, a_ub, b_ub):
+        res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=np.hstack([ones, [[0.0]]]), b_eq=[1.0],
+                      bounds=[(0, None)] * (p + 1), method="highs")
+        if res.status != 0:
+            raise PlanError(f"{NAME}: the LP of weighted shares failed: {res.message}")
+        return res.x
+    x = solve(np.r_[np.zeros(p), 1.0], np.hstack([use, -np.ones((len(links), 1))]), np.zeros(len(links)))
+    least = float(x[-1])
+    x = solve(np.r_[np.zeros(p), 1.0],             # at that load: the largest share as small as it can be
+              np.vstack([np.hstack([use, np.zeros((len(links), 1))]), np.hstack([np.eye(p), -np.ones((p, 1))])]),
+              np.r_[np.full(len(links), least * (1 + 1e-9)), np.zeros(p)])
+    weight = np.rint(x[:p] / x[:p].max() * SHARE_STEPS).astype(int)
+    shares = weight // math.gcd(*weight)
+    if len(set(shares.tolist())) == 1:
+        return None
+    shares = tuple(int(w) for w in shares)
+    return shares, float((use @ np.array(shares, dtype=float)).max() / sum(shares) * scale)
+
+
 def leader_shares(share, groups, pos):
     """``share`` (a weight per rank) moved onto the *leader* of every group of ``groups`` (its first
     rank in ring order, by ``pos``): the leader holds the sum of its group's weights, the others none
@@ -503,16 +572,16 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
 
     pos = {r: i for i, r in enumerate(order)}
 
-    def chunks_per_wave(staged, balanced=False, leaders=False):
+    def chunks_per_wave(staged, balanced=False, leaders=False, shares=None):
         """The ``pieces`` :func:`wave_depth` counts in a wave of ``staged``'s stages: the smallest
         target's share of the whole."""
-        share = share_weights(p, staged) if balanced else (1,) * p
+        share = shares if shares is not None else share_weights(p, staged) if balanced else (1,) * p
         if leaders:
             share = leader_shares(share, staged[0], pos)
         held = [w for w in share if w]
         return pieces if collective != "allreduce" else -(-sum(held) // min(held))
 
-    def build(tiers, k, lift=0, exchange=(), balanced=False, leaders=False):
+    def build(tiers, k, lift=0, exchange=(), balanced=False, leaders=False, shares=None):
         """The schedule with the most spans (SPAN_PIECES) that keep its ``k`` waves within MAX_WAVE_OPS, or
         with fewer waves where even the fewest spans do not. :func:`_ops_per_wave` only estimates (it
         counts too few where groups are unequal or the lead splits a run: 617040 operations for 15 waves
@@ -529,12 +598,12 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
                 sched = hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1,
                                               ramped=waved, lift=lift, span_pieces=spans,
                                               lag=WAVE_LAG if waved else 0, exchange=exchange, split=True,
-                                              balanced=balanced, leaders=leaders,
+                                              balanced=balanced, leaders=leaders, shares=shares,
                                               stage_bandwidths=bandwidths)
                 if not waved or k == 1 or sched.nops <= MAX_WAVE_OPS:
                     return sched
                 per_wave[spans] = -(-sched.nops // k)
-            k, lift = wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders), per_wave[SPAN_PIECES[-1]],
+            k, lift = wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders, shares), per_wave[SPAN_PIECES[-1]],
                                  k - 1)
 
     if not waved:
@@ -545,13 +614,13 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         then differ from one per rank)."""
         return collective == "allreduce" and len(set(share_weights(p, stage_partitions(p, tiers)))) > 1
 
-    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE):
+    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE, shares=None):
         """:func:`wave_depth` for ``tiers``' stages: its smallest chunk is the smallest target's share."""
         staged = stage_partitions(p, tiers)
-        return wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders),
+        return wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders, shares),
                           _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most)
 
-    def funnels(tiers, balanced):
+    def funnels(tiers, balanced, shares=None):
         """The first stages (by ring ``()``, then exchanging ``(1,)`` where its groups have more than two
         ranks) with which leaders (see Leaders) load no link of ``topo`` more than a share per rank does,
         on ``tiers``' stages; none where leaders by ring already do. One-chunk schedules compared link by
@@ -562,7 +631,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
 
         def load(leaders, exchange=()):
             return load_seconds(topo, hierarchical_schedule(order, tiers, collective, span_pieces=1, exchange=exchange,
-                                                            balanced=balanced, leaders=leaders), 1 << 20)
+                                                            balanced=balanced, leaders=leaders,
+                                                            shares=shares), 1 << 20)
         regular, fits = load(False), []
         for exchange in ((), (1,)) if max(len(g) for g in staged[0]) > 2 else ((),):
             if load(True, exchange) > regular * (1 + 1e-9):
@@ -576,33 +646,50 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
     tried, kept = [], None
 
-    def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False):
+    def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False, shares=None):
         """Build and simulate a variant; keep it if it replaces the one kept (with ``margin``, only if
         :data:`~ddl.algorithms.variants.MIN_VARIANT_GAIN` faster, whatever its messages)."""
         nonlocal kept
-        sched = build(tiers, k, lift, exchange, balanced, leaders)
+        sched = build(tiers, k, lift, exchange, balanced, leaders, shares)
         seconds = simulate(topo, sched, nbytes).seconds
         k, lift = sched.info["chunks_per_target"], sched.info["lift"]      # (fewer where the budget says so)
         tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
                       "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
-                      "leaders": leaders, "operations": sched.nops, "seconds": seconds})
+                      "leaders": leaders, "shares": None if shares is None else list(shares), "operations": sched.nops,
+                      "seconds": seconds})
         if kept is None or replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost, margin):
             kept = (seconds, tiers, sched)
         return seconds
 
-    def consider_leaders(tiers, balanced, caps):
+    def consider_leaders(tiers, balanced, caps, shares=None):
         """Leaders on ``tiers``' stages, where they load no link more (see Leaders): with the most waves
         under each of ``caps``, then exchanging to the leaders with the fastest of those."""
-        fits = funnels(tiers, balanced)
+        fits = funnels(tiers, balanced, shares)
         if not fits:
             return
 
         def led(k, lift, exchange=()):       # replacing a share per rank takes the margin (see Leaders)
             return consider(tiers, k, lift, exchange, balanced, True,
-                            margin=kept is not None and not kept[2].info["leaders"])
-        fastest = min((led(*kl), kl) for kl in sorted({depth(tiers, balanced, True, most) for most in caps}))
+                            margin=kept is not None and not kept[2].info["leaders"], shares=shares)
+        fastest = min((led(*kl), kl) for kl in sorted({depth(tiers, balanced, True, most, shares) for most in caps}))
         if (1,) in fits:
             led(*fastest[1], (1,))
+
+    def consider_weighted(tiers):
+        """Shares weighted by :func:`weighted_shares`, exchanging directly at the top stage (as well as
+        where the one kept does), with the most waves under each cap, where their busiest link is
+        WEIGHTED_GAIN less loaded than the kept schedule's (see Weighted shares)."""
+        info = kept[2].info
+        top = len(stage_partitions(p, tiers))
+        exchange = tuple(sorted(set(info["exchange_stages"]) | {top}))
+        weighted = weighted_shares(topo, order, tiers, exchange)
+        if weighted is None:
+            return
+        shares, seconds_per_byte = weighted
+        if seconds_per_byte > load_seconds(topo, kept[2], 1.0) * (1 - WEIGHTED_GAIN):
+            return
+        for k, lift in sorted({depth(tiers, most=most, shares=shares) for most in WAVE_CAPS}):
+            consider(tiers, k, lift, exchange, shares=shares)
 
     if not nbytes or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS:      # every tier, as many waves as they allow
         balanced = uneven(parts)
@@ -622,7 +709,11 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
             info = kept[2].info
             consider(kept[1], *depth(kept[1], True, most=info["chunks_per_target"]),
                      tuple(info["exchange_stages"]), True)
-        consider_leaders(kept[1], kept[2].info["balanced"], WAVE_CAPS)   # then leaders
+        if collective == "allreduce":      # then shares weighted to load the busiest link least
+            consider_weighted(kept[1])
+        info = kept[2].info
+        consider_leaders(kept[1], info["balanced"], WAVE_CAPS,         # then leaders
+                         None if info["shares"] is None else tuple(info["shares"]))
     kept[2].info["variants_tried"] = tried
     return kept[2]
 
