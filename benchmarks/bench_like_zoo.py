@@ -9,7 +9,6 @@ planned cold (no plan cache). Prints the same table as ``ddl plan --compare``: a
 predicted time over the lower bound (gap) and the baselines' predicted times over auto's.
 """
 import argparse
-import copy
 import os
 import subprocess
 import sys
@@ -83,7 +82,7 @@ def main(argv=None):
     unknown = [n for n in wanted if n not in known]
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    chosen = [copy.deepcopy(v) for v in VARIANTS if not wanted or v["name"] in wanted]
+    chosen = [v for v in VARIANTS if not wanted or v["name"] in wanted]
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.keep or scratch)
         folder.mkdir(parents=True, exist_ok=True)

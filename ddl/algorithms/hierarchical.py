@@ -149,8 +149,9 @@ group should hold nothing and only send its sums out and take the results in, as
 What a target's chunks put on every link is the same whatever the other targets hold, and grows with
 its share, so :func:`weighted_shares` builds each target's schedule alone (one chunk), and an LP
 finds the shares that load the busiest link least, then the most even ones at that load. The variant
-exchanges directly at the top stage, is tried after equal shares where the LP loads the busiest link
-at least 1% less than the schedule kept, and leaders then keep its shares. On the heterogeneous
+exchanges directly at the top stage, is tried after equal shares (where the variants are simulated,
+see below) where the LP loads the busiest link at least 1% less than the schedule kept, and leaders
+then keep its shares. On the heterogeneous
 cluster with 50 Gbit/s T4 NICs (the zoo's file with its T4 NICs doubled) that takes hierarchical's
 256 MiB allreduce from 58.5 ms, 1.361 times the bound, to 48.0 ms, 1.117 (and makes it ``auto``'s
 choice there); with the zoo's 25 Gbit/s from 115.7 ms (1.347) to 93.4 ms (1.088), where tree-packing
@@ -285,7 +286,7 @@ def hierarchical_schedule(order, partitions, collective, k=1, root=0, algorithm=
     weights = ramp(k, lift) if ramped else (1,) * k
     if collective == "allreduce":
         # chunk j of every target, targets in span order: what a stage's ring member holds is a run
-        share = tuple(shares) if shares is not None else share_weights(p, stages) if balanced else (1,) * p
+        share = target_shares(p, stages, balanced, shares)
         leaders = bool(leaders and stages)      # (a single rank has no stage, nor a group to lead)
         if leaders:
             share = leader_shares(share, stages[0], pos)
@@ -492,6 +493,14 @@ def share_weights(p, stages):
     return tuple(weight)
 
 
+def target_shares(p, stages, balanced=False, shares=None):
+    """An allreduce's integer weight per target: ``shares`` where given (see Weighted shares), else equal
+    shares per group below the top where ``balanced`` (:func:`share_weights`), else one per rank."""
+    if shares is not None:
+        return tuple(shares)
+    return share_weights(p, stages) if balanced else (1,) * p
+
+
 def weighted_shares(topo, order, tiers, exchange=()):
     """``(shares, seconds per byte)``: an integer weight per target of an allreduce on ``tiers``' stages
     (ring order ``order``, exchanging directly at the stages in ``exchange``) that leaves its busiest
@@ -500,7 +509,8 @@ def weighted_shares(topo, order, tiers, exchange=()):
     and grow with its share, so an LP (HiGHS) finds the shares: least ``T`` with every link's load
     over its capacity at most ``T``; then, at that ``T``, the most even shares (least largest share),
     since every target that holds nothing or little leaves its ranks' links idle in the pipeline. Shares
-    below 1/64 of the largest are dropped (see Weighted shares)."""
+    are rounded to steps of 1/SHARE_STEPS of the largest, so one below half a step becomes none (see
+    Weighted shares)."""
     from scipy.optimize import linprog
 
     p = topo.nranks
@@ -575,7 +585,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     def chunks_per_wave(staged, balanced=False, leaders=False, shares=None):
         """The ``pieces`` :func:`wave_depth` counts in a wave of ``staged``'s stages: the smallest
         target's share of the whole."""
-        share = shares if shares is not None else share_weights(p, staged) if balanced else (1,) * p
+        share = target_shares(p, staged, balanced, shares)
         if leaders:
             share = leader_shares(share, staged[0], pos)
         held = [w for w in share if w]

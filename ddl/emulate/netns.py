@@ -49,7 +49,7 @@ bucket (the floor once) made the kernel segment nearly every packet, on a machin
 binds an emulated cluster (softirq: TCP over veths, bridges and tbf). With 128 KiB, on the two-rack
 cluster (64 MiB allreduce, four alternating runs), the kernel's time per run fell from 88-90 s to 70-71
 s, ddl's allreduce from 6.30-6.33 s to 5.81-5.91 s and MPI_Allreduce's from 8.81-9.13 s to 7.54-8.15 s;
-the shaped rates stay within 1% of the file's. A smaller bucket also makes rates come out wrong."""
+the shaped rates stay within 1% of the file's. Below 64 KiB the shaped rates come out wrong as well."""
 
 TBF_BURST_SECONDS = 1e-3
 """Bucket of fast links: 1 ms worth of the rate. tc keeps the bucket as a time at its clock's
