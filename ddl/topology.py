@@ -307,6 +307,31 @@ class Topology:
         return {host: tuple(members) for host, members in out.items()}
 
     @functools.cached_property
+    def host_bandwidths(self):
+        """``{host_id: bytes/s}`` for every host of :attr:`hosts`: what the usable links between the
+        host's vertices and the rest of the fabric carry, in the weaker direction (out or in), so a host
+        behind one 25 Gbit/s NIC has 3.125 GB/s however fast it is inside. A host's vertices are those
+        that name it (``host`` attribute, id prefix, the host itself), its ranks, and other non-switch
+        vertices linked to it directly (its NICs); a switch between hosts belongs to none."""
+        def host(v):
+            if v in self._rank_of:
+                return self._host_of[self._rank_of[v]]
+            if self._kinds[v] == "switch" and "host" not in self._attrs[v]:
+                prefix = v.split("/", 1)[0]
+                return prefix if prefix != v and self._kinds.get(prefix) == "host" else None
+            return self._find_host(v)
+        where = {v: host(v) for v in self._usable}
+        out, into = dict.fromkeys(self.hosts, 0.0), dict.fromkeys(self.hosts, 0.0)
+        for u, v, capacity in self._usable.edges(data="capacity"):
+            a, b = where[u], where[v]
+            if a != b:
+                if a in out:
+                    out[a] += capacity
+                if b in into:
+                    into[b] += capacity
+        return {h: min(out[h], into[h]) for h in out}
+
+    @functools.cached_property
     def tiers(self):
         """The rank hierarchy, fastest tier first, by single-linkage clustering on link bandwidth.
 

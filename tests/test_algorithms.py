@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddl.algorithms import (ALGORITHMS, dbt_schedule, halving_doubling_schedule, hierarchical_schedule,
+from ddl.algorithms import (ALGORITHMS, dbt_schedule, delegated_schedule, halving_doubling_schedule,
+                            hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
 from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, SPAN_PIECES, WAVE_CAPS, WAVE_LAG, WAVE_MIN_BYTES,
@@ -42,6 +43,7 @@ SUPPORTS = {
     "direct-link-trees": COLLECTIVES,
     "reduce-broadcast-trees": ("allreduce",),
     "multicommodity-flow": COLLECTIVES,
+    "delegated": ("allreduce",),
 }
 PS = range(1, 18)
 
@@ -79,6 +81,13 @@ def flat(name, p, collective, k=1, root=0, order=None):
     if name in ("tree-packing", "reduce-broadcast-trees", "multicommodity-flow"):
         # planners that need a fabric: a star; k picks a small or a large (pipelined) message
         return ALGORITHMS[name](flat_topology(p), collective, root=root, nbytes=64 << (10 * k))
+    if name == "delegated":
+        # the first half of the order a ring core, the rest hosts of up to 3 ranks delegating to it
+        half = max(1, p // 2)
+        core, slow = order[:half], groups_of(order[half:], 3)
+        delegates = [[j % half for j in range(len(ranks))] for ranks in slow]
+        base = ring_schedule(list(range(half)), collective, k, root)
+        return delegated_schedule(base, core, slow, delegates, nbytes=64 << (10 * k))
     if name == "direct-link-trees":
         # direct links in a ring beside the star: the sub-fabric it packs
         return ALGORITHMS[name](ring_beside_switch(p), collective, root=root, nbytes=64 << (10 * k))
@@ -130,6 +139,22 @@ def cluster(hosts, gpus, interleave=False, intra="100 GB/s", inter="10 GB/s"):
         "ranks": [{"id": "h{i}/gpu{j}", "for": var}]})
 
 
+def slow_host_cluster(fast=2, gpus=4, slow=(2,)):
+    """``fast`` hosts of ``gpus`` ranks behind 100 GB/s, and hosts of ``slow`` ranks behind 10 GB/s."""
+    from ddl.topology import Topology
+
+    sizes = [gpus] * fast + list(slow)
+    return Topology.from_dict({
+        "name": "slow-host-cluster",
+        "nodes": [{"id": "spine", "kind": "switch"}] + [{"id": f"h{i}", "kind": "host"} for i in range(len(sizes))]
+                 + [{"id": f"h{i}/gpu{j}", "kind": "gpu"} for i, n in enumerate(sizes) for j in range(n)],
+        "links": [{"a": f"h{i}/gpu{j}", "b": f"h{i}", "bandwidth": "100 GB/s"} for i, n in enumerate(sizes)
+                  for j in range(n)]
+                 + [{"a": f"h{i}", "b": "spine", "bandwidth": "100 GB/s" if i < fast else "10 GB/s"}
+                    for i in range(len(sizes))],
+        "ranks": [f"h{i}/gpu{j}" for i, n in enumerate(sizes) for j in range(n)]})
+
+
 def three_tier(gpus=4, hosts=4, racks=2):
     from ddl.topology import Topology
 
@@ -176,6 +201,10 @@ def test_flat_schedules_verify(name, k):
 def test_topology_schedules_verify(name):
     topos = [cluster(4, 4, interleave=True), cluster(3, 3), three_tier(), dgx1(), cluster(1, 1)]
     for topo in topos:
+        if name == "delegated":            # every host as fast as the others, or no hosts at all
+            with pytest.raises(PlanError, match="no host's links are 2x slower|needs hosts"):
+                ALGORITHMS[name](topo, "allreduce")
+            continue
         if name == "direct-link-trees" and topo.nranks > 1 and direct_links(topo)[0] is None:
             with pytest.raises(PlanError, match="not all joined by links from rank to rank"):
                 ALGORITHMS[name](topo, "allreduce")
@@ -230,7 +259,8 @@ def test_unsupported_collective_is_a_plan_error(name):
 def test_deterministic():
     for name, fn in ALGORITHMS.items():
         make = (dgx1 if name in ("direct-link-trees", "ring-channels") else     # they need NVLink
-                (lambda: ring_beside_pairs(6)) if name == "ring-packing" else three_tier)
+                (lambda: ring_beside_pairs(6)) if name == "ring-packing" else
+                slow_host_cluster if name == "delegated" else three_tier)
         topo = make()
         for collective in SUPPORTS[name]:
             a, b = fn(topo, collective, nbytes=1 << 26), fn(make(), collective, nbytes=1 << 26)
@@ -880,6 +910,10 @@ def test_192_ranks_build_and_verify_in_seconds():
             continue
         if name == "ring-packing":  # its ring pricing is exponential in the ranks
             with pytest.raises(PlanError, match="up to 12 ranks"):
+                fn(topo, "allreduce")
+            continue
+        if name == "delegated":     # every host behind the same 100 Gbit/s NIC
+            with pytest.raises(PlanError, match="no host's links are 2x slower"):
                 fn(topo, "allreduce")
             continue
         if name == "reduce-broadcast-trees":  # its LP prices p^2 rank pairs

@@ -24,10 +24,13 @@ Each family also offers a topology-free builder on a rank order (``ring_schedule
 * ``reduce-broadcast-trees`` -- Blink's packing of spanning trees, each reducing to its centre and
   broadcasting back (both directions of every link at work); allreduce, up to 64 ranks;
 * ``multicommodity-flow`` -- the best base schedule with its transfers routed by a min-cost
-  multi-commodity flow LP over every physical path (IBM DDL, TE-CCL).
+  multi-commodity flow LP over every physical path (IBM DDL, TE-CCL);
+* ``delegated`` -- hosts behind slow links reduce at home, send their sum out in order through one
+  relay each and take the result back, while the fast hosts plan their own allreduce; allreduce.
 
 Simpler algorithms are listed first: the planner breaks ties in favour of the earlier one.
 """
+from .delegated import delegated, delegated_schedule
 from .double_binary_tree import dbt_schedule, double_binary_tree
 from .halving_doubling import halving_doubling, halving_doubling_schedule
 from .hierarchical import hierarchical, hierarchical_schedule
@@ -53,6 +56,7 @@ ALGORITHMS = {
     "direct-link-trees": direct_link_trees,
     "reduce-broadcast-trees": reduce_broadcast_trees,
     "multicommodity-flow": multicommodity_flow,
+    "delegated": delegated,
 }
 
 # ``auto`` need not build an algorithm whose schedule can only equal another candidate's: these say why
@@ -62,7 +66,7 @@ REDUNDANT = {
     "tiered-exchange": repeats_doubling,
 }
 
-__all__ = ["ALGORITHMS", "REDUNDANT", "ring", "ring_channels", "ring_packing", "halving_doubling",
+__all__ = ["ALGORITHMS", "REDUNDANT", "delegated", "delegated_schedule", "ring", "ring_channels", "ring_packing", "halving_doubling",
            "double_binary_tree", "hierarchical", "multicommodity_flow", "tree_packing", "direct_link_trees",
            "reduce_broadcast_trees", "recursive_doubling", "ring_order", "ring_schedule",
            "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule", "hierarchical_schedule",

@@ -62,11 +62,13 @@ def two_host_topology(n):
     return hosts_topology([(n + 1) // 2, n // 2], name=f"two-host-{n}")
 
 
-def hosts_topology(sizes, name=None):
-    """cpu ranks on hosts of ``sizes`` ranks behind one switch, numbered host by host."""
+def hosts_topology(sizes, name=None, bandwidths=None):
+    """cpu ranks on hosts of ``sizes`` ranks behind one switch, numbered host by host; each host's link
+    to the switch at ``bandwidths[h]`` (default 1 GB/s)."""
     from ddl.topology import Topology
+    bandwidths = bandwidths or ["1 GB/s"] * len(sizes)
     nodes = [{"id": "sw", "kind": "switch"}] + [{"id": f"h{h}", "kind": "host"} for h in range(len(sizes))]
-    links = [{"a": f"h{h}", "b": "sw", "bandwidth": "1 GB/s", "latency": "10 us"} for h in range(len(sizes))]
+    links = [{"a": f"h{h}", "b": "sw", "bandwidth": bw, "latency": "10 us"} for h, bw in enumerate(bandwidths)]
     ranks = []
     for h, size in enumerate(sizes):
         for r in range(len(ranks), len(ranks) + size):

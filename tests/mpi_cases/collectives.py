@@ -395,6 +395,27 @@ def check_ring_channels():
     c.Free()
 
 
+def check_delegated():
+    """delegated on two hosts, the second behind a link 20 times slower: its ranks reduce at home, send
+    the sum out through a relay and take the result back; at 4 MiB the chunks are cut into pieces (and
+    the first and last in the core too). Right and bitwise the same everywhere, in place and not."""
+    if p < 3:                  # the fast host must hold two ranks
+        return
+    topo = hosts_topology([(p + 1) // 2, p // 2], bandwidths=["1 GB/s", "50 MB/s"], name="slow-second-host")
+    c = ddl.Communicator(WORLD, topology=topo, algorithm="delegated")
+    info = c.plan(4 << 20).info
+    chk.ok(info["slow_hosts"] == [list(range((p + 1) // 2, p))] and max(info["pieces"]) > 1 and info["ramp_chunks"],
+           f"delegated: not the second host, or no pieces: {info}")
+    for count in (1, 13 * p, 40_000, 1 << 20):
+        _ar(c, count, f"delegated {count}")
+    a = inputs(r, np.dtype(np.float64), 1 << 20, ddl.SUM)
+    c.Allreduce(ddl.IN_PLACE, a, op=ddl.SUM)
+    ref, tol = reference(np.dtype(np.float64), 1 << 20, ddl.SUM)
+    chk.ok(close(a, ref, tol), "delegated in place")
+    chk.same_everywhere("delegated in place", a)
+    c.Free()
+
+
 def check_ring_packing():
     """ring-packing on ranks joined in a cycle of direct links and, in pairs, under leaf switches of a
     tree: rings of unequal rates with some hops split over two paths, every collective right and
@@ -615,6 +636,7 @@ if mode == "full" or p in (5, 8):
     check_hierarchical_split_waves()
     check_ring_channels()
     check_ring_packing()
+    check_delegated()
     check_spans()
     check_tiered_exchange_lanes()
 waiting = "doorbell" if comm._engine.bell is not None else ("naps" if comm._engine.oversubscribed else "spin")
