@@ -40,7 +40,8 @@ How
 
 The base whose composed schedule simulates fastest is kept. On the heterogeneous cluster of the zoo
 at 256 MiB this is 1.007 of the bound (tree packing: 1.029), with its T4 NICs at 50 Gbit/s 1.010
-(1.117), with three T4 hosts 1.008 (1.091); see the README for the table and the command.
+(1.117), with three T4 hosts 1.009 (1.091), with one 1.009 (1.016); see the README for the table and the
+command.
 
 Collectives: allreduce only (reduce-scatter and allgather give every rank a share to hold, so a slow
 host must move its share of the result as well and nothing is gained by delegating).
