@@ -130,3 +130,15 @@ def test_known_answer_heterogeneous_cluster_within_one_percent_of_the_bound():
     assert sched.info["core_algorithm"] == min(tried, key=tried.get)
     assert simulate(topo, sched, n).seconds == pytest.approx(min(tried.values()))
     assert min(tried.values()) <= 1.01 * bound
+
+
+def test_the_core_keeps_the_paths_its_plan_pinned_under_the_ranks_it_runs_on():
+    # a slow host first: the core's positions 0..7 are ranks 2..9, and tree packing pins its routes
+    topo = cluster([2, 4, 4], [5, 100, 100])
+    sched = ALGORITHMS["delegated"](topo, "allreduce", nbytes=64 << 20, bases=("tree-packing",))
+    verify(sched)
+    assert sched.info["core"] == list(range(2, 10)) and sched.info["slow_hosts"] == [[0, 1]]
+    core_topo = topo.with_ranks(topo.ranks[2:])
+    base = ALGORITHMS["tree-packing"](core_topo, "allreduce", nbytes=64 << 20)
+    assert base.routes and sched.routes == {(a + 2, b + 2): paths for (a, b), paths in base.routes.items()}
+    simulate(topo, sched, 64 << 20)        # every pinned path runs between the ranks it is pinned for

@@ -19,9 +19,11 @@ How
    ``1/SLOW_RATIO`` of what the fastest host's do (:attr:`Topology.host_bandwidths`). The ranks on the
    other hosts (and on none) form the *core*.
 2. **The core** plans its own allreduce, with each of :data:`CORE_BASES`, on the same fabric with the
-   core's ranks only. In its schedule every chunk's result first appears at a *target*: the core rank
-   whose last write of the chunk is a reduction (:func:`core_facts`).
-3. **A slow host**, chunk by chunk in the order the core completes them: its ranks send the chunk to
+   core's ranks only (and keeps the paths that plan pins). In its schedule every chunk's result first
+   appears at a *target*: the core rank whose last write of the chunk is a reduction
+   (:func:`core_facts`).
+3. **A slow host**, chunk by chunk in the order the core completes them (where each chunk's last
+   reduction stands in its target's program, as a fraction of it): its ranks send the chunk to
    one of them, its *owner*, which reduces them and sends the host's sum out; the target reduces that
    into its result right after its own last reduction of the chunk (before it passes the result on in
    the core), sends the result back to the owner, and the owner copies it to the host's other ranks.
@@ -43,8 +45,8 @@ at 256 MiB this is 1.007 of the bound (tree packing: 1.029), with its T4 NICs at
 (1.117), with three T4 hosts 1.009 (1.091), with one 1.009 (1.016); see the README for the table and the
 command.
 
-Collectives: allreduce only (reduce-scatter and allgather give every rank a share to hold, so a slow
-host must move its share of the result as well and nothing is gained by delegating).
+Collectives: allreduce only. In reduce-scatter and allgather every rank owns a block of the result,
+so a slow host cannot stand in for its ranks with one sum.
 """
 from ..errors import PlanError
 from ..schedule import RECV, REDUCE, SEND, Op, Schedule
@@ -152,7 +154,7 @@ def cut_chunks(schedule, pieces, ramp=()):
                                       [Op(kind, renamed(cid), peer)]))
                      for program in schedule.programs)
     cut = Schedule("allreduce", schedule.nranks, tuple(pattern), programs, algorithm=schedule.algorithm,
-                   info=schedule.info, spans=tuple(spans))
+                   info=schedule.info, routes=schedule.routes, spans=tuple(spans))
     return cut, {c: list(split[c]) for c in range(n)}
 
 
@@ -219,8 +221,9 @@ def delegated_schedule(base, core, slow, delegates, nbytes=None):
             program.append(Op(kind, cid, core[peer]))
             program += after[i].get(k, ())
             program += back[i].get(k, ())
+    routes = {(core[a], core[b]): paths for (a, b), paths in core_schedule.routes.items()}   # the core's own
     return Schedule("allreduce", p, core_schedule.pattern, tuple(map(tuple, programs)), algorithm=NAME,
-                    spans=core_schedule.spans,
+                    routes=routes, spans=core_schedule.spans,
                     info={"core_algorithm": base.algorithm, "core": list(core), "slow_hosts": [list(r) for r in slow],
                           "delegates": [[core[d] for d in relays] for relays in delegates],
                           "pieces": sorted(set(pieces)), "ramp_chunks": len(ramp)})
