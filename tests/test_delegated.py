@@ -65,8 +65,11 @@ def test_slow_hosts_move_the_bound_bytes_each_way_and_upload_to_one_rank(nbytes)
     for rank in range(8, 12):
         out = {peer for kind, _, peer in sched.programs[rank] if kind == SEND and peer < 8}
         assert len(out) <= 1, f"rank {rank} uploads to {out}"
-    if nbytes == 64 << 20:
-        assert simulate(topo, sched, n).seconds <= 1.02 * lower_bound(topo, "allreduce", n).seconds
+    if nbytes == 64 << 20:      # both bases tried, the faster composition kept
+        tried = {v["core_algorithm"]: v["seconds"] for v in sched.info["variants_tried"]}
+        assert set(tried) == {"tree-packing", "hierarchical"} and sched.info["core_algorithm"] == min(tried, key=tried.get)
+        assert simulate(topo, sched, n).seconds == pytest.approx(min(tried.values()))
+        assert min(tried.values()) <= 1.02 * lower_bound(topo, "allreduce", n).seconds
 
 
 def test_the_builder_relays_through_the_delegate_while_its_copy_is_free():
@@ -122,14 +125,9 @@ def test_known_answer_heterogeneous_cluster_within_one_percent_of_the_bound():
     # tree packing's core, the T4 hosts delegating: 1.007 of the bound at 256 MiB (tree packing alone 1.029)
     topo = Topology.load(ZOO / "hetero-cluster.yaml")
     n = 256 << 20
-    sched = ALGORITHMS["delegated"](topo, "allreduce", nbytes=n)
+    sched = ALGORITHMS["delegated"](topo, "allreduce", nbytes=n, bases=("tree-packing",))
     verify(sched)
-    bound = lower_bound(topo, "allreduce", n).seconds
-    tried = {v["core_algorithm"]: v["seconds"] for v in sched.info["variants_tried"]}
-    assert set(tried) == {"tree-packing", "hierarchical"}
-    assert sched.info["core_algorithm"] == min(tried, key=tried.get)
-    assert simulate(topo, sched, n).seconds == pytest.approx(min(tried.values()))
-    assert min(tried.values()) <= 1.01 * bound
+    assert simulate(topo, sched, n).seconds <= 1.01 * lower_bound(topo, "allreduce", n).seconds
 
 
 def test_the_core_keeps_the_paths_its_plan_pinned_under_the_ranks_it_runs_on():
