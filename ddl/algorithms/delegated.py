@@ -18,7 +18,8 @@ How
 1. **Slow hosts** (:func:`slow_hosts`): hosts whose links to the fabric carry at most
    ``1/SLOW_RATIO`` of what the fastest host's do (:attr:`Topology.host_bandwidths`). The ranks on the
    other hosts (and on none) form the *core*.
-2. **The core** plans its own allreduce, with each of :data:`CORE_BASES`, on the same fabric with the
+2. **The core** plans its own allreduce, with each of :data:`CORE_BASES` (with the first alone where
+   the size is latency-bound, since delegating only adds hops there), on the same fabric with the
    core's ranks only (and keeps the paths that plan pins). In its schedule every chunk's result first
    appears at a *target*: the core rank whose last write of the chunk is a reduction
    (:func:`core_facts`).
@@ -48,6 +49,7 @@ command.
 Collectives: allreduce only. In reduce-scatter and allgather every rank owns a block of the result,
 so a slow host cannot stand in for its ranks with one sum.
 """
+from ..bounds import lower_bound
 from ..errors import PlanError
 from ..schedule import RECV, REDUCE, SEND, Op, Schedule
 from ..simulate import simulate
@@ -55,7 +57,7 @@ from .ring import check_request
 
 NAME = "delegated"
 SUPPORTED = ("allreduce",)
-CORE_BASES = ("tree-packing", "hierarchical")
+CORE_BASES = ("hierarchical", "tree-packing")   # the first: quick to plan, for small sizes
 SLOW_RATIO = 2               # a slow host's links carry at most half what the fastest host's do
 PIECE_BYTES = 256 << 10      # the slow side's messages, as tree packing's and hierarchical's smallest
 MAX_PIECES = 8               # pieces per chunk (a power of two: chunk weights are scaled by it)
@@ -231,10 +233,13 @@ def delegated_schedule(base, core, slow, delegates, nbytes=None):
 
 def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
     """Slow hosts reduce at home and delegate to a core planned by ``bases`` (see the module
-    docstring); the composed schedule that simulates fastest at ``nbytes`` (without a size, the
-    first base that plans the core)."""
+    docstring); the composed schedule that simulates fastest at ``nbytes`` (without a size, or at a
+    size where the bound is latency's, the first base that plans the core)."""
     check_request(NAME, collective, topo.nranks, root, SUPPORTED)
     slow, core = slow_hosts(topo)
+    bound = lower_bound(topo, collective, nbytes) if nbytes else None
+    # where latency binds, delegating only adds hops: the first base will do, unsimulated (no LP to solve)
+    first_only = not nbytes or bound.bandwidth_seconds < bound.latency_seconds
     from . import ALGORITHMS
 
     core_topo = topo.with_ranks([topo.ranks[r] for r in core])
@@ -251,7 +256,7 @@ def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
             reasons[name] = str(exc)
             continue
         sched = delegated_schedule(base, core, slow, delegates, nbytes)
-        if not nbytes:
+        if first_only:
             return sched
         seconds = simulate(topo, sched, nbytes).seconds
         tried.append({"core_algorithm": name, "operations": sched.nops, "seconds": seconds})
