@@ -274,9 +274,9 @@ class Topology:
     def _host_of(self):
         return tuple(self._find_host(v) for v in self._spec.ranks)
 
-    def _find_host(self, vertex):
+    def _find_host(self, vertex, linked=True):
         """The node's ``host`` attribute, else the id prefix before '/' when it names a host node,
-        else the vertex itself when it is a host, else the host node it links to directly."""
+        else the vertex itself when it is a host, else (``linked``) the host node it links to directly."""
         if "host" in self._attrs[vertex]:
             return self._attrs[vertex]["host"]
         prefix = vertex.split("/", 1)[0]
@@ -284,6 +284,8 @@ class Topology:
             return prefix
         if self._kinds[vertex] == "host":
             return vertex
+        if not linked:
+            return None
         neighbours = set(self._graph.successors(vertex)) | set(self._graph.predecessors(vertex))
         hosts = sorted((v for v in neighbours if self._kinds[v] == "host"), key=self._node_order.get)
         return hosts[0] if hosts else None
@@ -313,14 +315,7 @@ class Topology:
         behind one 25 Gbit/s NIC has 3.125 GB/s however fast it is inside. A host's vertices are those
         that name it (``host`` attribute, id prefix, the host itself), its ranks, and other non-switch
         vertices linked to it directly (its NICs); a switch between hosts belongs to none."""
-        def host(v):
-            if v in self._rank_of:
-                return self._host_of[self._rank_of[v]]
-            if self._kinds[v] == "switch" and "host" not in self._attrs[v]:
-                prefix = v.split("/", 1)[0]
-                return prefix if prefix != v and self._kinds.get(prefix) == "host" else None
-            return self._find_host(v)
-        where = {v: host(v) for v in self._usable}
+        where = {v: self._find_host(v, linked=self._kinds[v] != "switch") for v in self._usable}
         out, into = dict.fromkeys(self.hosts, 0.0), dict.fromkeys(self.hosts, 0.0)
         for u, v, capacity in self._usable.edges(data="capacity"):
             a, b = where[u], where[v]

@@ -139,19 +139,18 @@ def cluster(hosts, gpus, interleave=False, intra="100 GB/s", inter="10 GB/s"):
         "ranks": [{"id": "h{i}/gpu{j}", "for": var}]})
 
 
-def slow_host_cluster(fast=2, gpus=4, slow=(2,)):
-    """``fast`` hosts of ``gpus`` ranks behind 100 GB/s, and hosts of ``slow`` ranks behind 10 GB/s."""
+def hosts_behind_switch(sizes, nics):
+    """Hosts of ``sizes`` ranks (each rank 100 GB/s to its host) whose links to one switch run at
+    ``nics`` (GB/s)."""
     from ddl.topology import Topology
 
-    sizes = [gpus] * fast + list(slow)
     return Topology.from_dict({
-        "name": "slow-host-cluster",
-        "nodes": [{"id": "spine", "kind": "switch"}] + [{"id": f"h{i}", "kind": "host"} for i in range(len(sizes))]
+        "name": "hosts",
+        "nodes": [{"id": "sw", "kind": "switch"}] + [{"id": f"h{i}", "kind": "host"} for i in range(len(sizes))]
                  + [{"id": f"h{i}/gpu{j}", "kind": "gpu"} for i, n in enumerate(sizes) for j in range(n)],
         "links": [{"a": f"h{i}/gpu{j}", "b": f"h{i}", "bandwidth": "100 GB/s"} for i, n in enumerate(sizes)
                   for j in range(n)]
-                 + [{"a": f"h{i}", "b": "spine", "bandwidth": "100 GB/s" if i < fast else "10 GB/s"}
-                    for i in range(len(sizes))],
+                 + [{"a": f"h{i}", "b": "sw", "bandwidth": f"{bw} GB/s", "latency": "2 us"} for i, bw in enumerate(nics)],
         "ranks": [f"h{i}/gpu{j}" for i, n in enumerate(sizes) for j in range(n)]})
 
 
@@ -260,7 +259,7 @@ def test_deterministic():
     for name, fn in ALGORITHMS.items():
         make = (dgx1 if name in ("direct-link-trees", "ring-channels") else     # they need NVLink
                 (lambda: ring_beside_pairs(6)) if name == "ring-packing" else
-                slow_host_cluster if name == "delegated" else three_tier)
+                (lambda: hosts_behind_switch([4, 4, 2], [100, 100, 10])) if name == "delegated" else three_tier)
         topo = make()
         for collective in SUPPORTS[name]:
             a, b = fn(topo, collective, nbytes=1 << 26), fn(make(), collective, nbytes=1 << 26)

@@ -12,22 +12,10 @@ from ddl.schedule import RECV, REDUCE, SEND
 from ddl.simulate import link_totals, simulate
 from ddl.topology import Topology
 from ddl.verify import verify
+from test_algorithms import hosts_behind_switch as cluster
 
 ZOO = Path(__file__).resolve().parent.parent / "topologies"
 GB = 1e9
-
-
-def cluster(sizes, nics):
-    """Hosts of ``sizes`` ranks (each rank 100 GB/s to its host) whose links to one switch run at
-    ``nics`` (GB/s)."""
-    return Topology.from_dict({
-        "name": "hosts",
-        "nodes": [{"id": "sw", "kind": "switch"}] + [{"id": f"h{i}", "kind": "host"} for i in range(len(sizes))]
-                 + [{"id": f"h{i}/gpu{j}", "kind": "gpu"} for i, n in enumerate(sizes) for j in range(n)],
-        "links": [{"a": f"h{i}/gpu{j}", "b": f"h{i}", "bandwidth": "100 GB/s"} for i, n in enumerate(sizes)
-                  for j in range(n)]
-                 + [{"a": f"h{i}", "b": "sw", "bandwidth": f"{bw} GB/s", "latency": "2 us"} for i, bw in enumerate(nics)],
-        "ranks": [f"h{i}/gpu{j}" for i, n in enumerate(sizes) for j in range(n)]})
 
 
 def test_the_slow_hosts_of_the_heterogeneous_cluster():
