@@ -36,9 +36,9 @@ reduced inside the fast ones. ``k`` chunks make ``k`` waves. What remains expose
 wave's way up to the slow tier and the last wave's way back down, so the waves *ramp*: chunk ``j``
 of ``k`` weighs ``min(j + 1, k - j)`` (1, 2, ..., 2, 1): small waves fill and drain the pipeline,
 large ones keep the slow tier busy, and the middle waves grow no faster than the slow tier absorbs
-them. Chunks go down to ``WAVE_MIN_BYTES`` (256 KiB, the smallest, first and last; as tree-packing's
-sub-chunks) and the schedule to ``MAX_WAVE_OPS`` operations, which is what simulating and verifying
-it cost. Where the floor would cut the first and last waves too small, the ramp is *lifted*: every
+them. Chunks go down to ``WAVE_MIN_BYTES`` (128 KiB, the smallest, first and last; see Floors) and
+the schedule to ``MAX_WAVE_OPS`` operations, which is what simulating and verifying it cost (see
+Budget). Where the floor would cut the first and last waves too small, the ramp is *lifted*: every
 weight plus one (2, 3, ..., 3, 2), up to ``MAX_LIFT``, since more waves on a gentler ramp overlap
 the tiers better than fewer on a steep one (on the 192-rank cluster four waves 2, 3, 3, 2 beat three
 waves 1, 2, 1; on the 32-rank three-tier test cluster at 64 MiB six lifted by two beat four). On the
@@ -103,7 +103,26 @@ most waves under the highest cap, by ring or exchanging, whichever simulates fas
 the budget allows them one wave only: a wave of leaders goes in ``m`` parts where a share per rank
 goes in ``g m``, and at 1024 ranks that one wave of 16 parts gave 1.060 of the bound against 1.036
 for the 64 parts of a share per rank. On clusters built like the 192-rank one, a share per rank
-against leaders: 128 ranks 1.057 and 1.024, 256 ranks 1.037 and 1.017, 512 ranks 1.068 and 1.019.
+against leaders: 128 ranks 1.057 and 1.024, 256 ranks 1.037 and 1.017, 512 ranks 1.068 and 1.019
+(with the 256 KiB floor of the time; see Floors and Budget for what they are now).
+
+Floors. A steeper ramp fills and drains faster but needs smaller first and last chunks. With a
+floor of 256 KiB the 128-rank cluster built like the 192-rank one got 16 waves lifted by three, its
+first wave's chunks 280 KiB: the rack uplinks waited 0.54 ms for the first sums, 1.024 of the bound.
+Lifted by 0, 1, 2 and 3 its leaders are predicted 43.53, 43.65, 43.84 and 43.97 ms. So the floor is
+128 KiB: 1.016 there, 1.011 on 192 ranks (1.018), 1.010 on 256 (1.017), 1.009 on 512 (1.019). But
+steeper is not always better: on the 4 x 8 DGX A100 cluster 12 waves lifted by one beat 12 by none
+(2.073 against 2.084 ms), and with the lower floor alone it fell from 1.017 of the bound to 1.026.
+Where variants are simulated the ramps that the old floor (``GENTLE_WAVE_MIN_BYTES``) allows are
+therefore tried as well, where they fit CHOOSE_VARIANTS_OPS; large schedules, which try no variants,
+take the steeper ones. A message of 128 KiB still takes 10 us on a 100 Gbit/s NIC, several of its
+latencies; a file's ``message_cost`` charges what a message costs beyond that.
+
+Budget. Where even one wave of a share per rank on every tier exceeds MAX_WAVE_OPS, it is built
+anyway (a schedule needs one wave), so the budget is that wave's operations: 1.24 million at 1024
+ranks in three tiers. Leaders, with a quarter of the targets, fit four waves in it where
+MAX_WAVE_OPS allowed them one: 1.012 of the bound instead of a share per rank's 1.036, planned in
+44 s instead of 38.
 
 Handoff. A ring member of the top stage sends block ``i - 1`` first (``i`` its index), then
 ``i - 2``, ..., and gets its own block back first, then ``i - 1``, ... The stage below lists each
@@ -196,7 +215,10 @@ from .variants import CHOOSE_VARIANTS_OPS, replaces
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
-WAVE_MIN_BYTES = 256 << 10
+WAVE_MIN_BYTES = 128 << 10
+# ... and where variants are simulated, the ramps that keep chunks at least this large are tried too
+# (see Floors).
+GENTLE_WAVE_MIN_BYTES = 256 << 10
 # ... as long as the schedule keeps within this many operations (plan time grows with them).
 MAX_WAVE_OPS = MAX_SCHEDULE_OPS
 # An allreduce ring member sends its share of a wave in spans: as many per step as the operation
@@ -245,17 +267,17 @@ def ramp(k, lift=0):
     return tuple(min(j + 1, k - j) + lift for j in range(k))
 
 
-def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE):
+def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE, floor=WAVE_MIN_BYTES, budget=MAX_WAVE_OPS):
     """``(k, lift)``: the most ramped waves per target (up to ``most``) whose schedule, of
-    ``ops_per_wave`` operations per wave, stays within MAX_WAVE_OPS and whose smallest chunk (of
-    ``pieces`` per wave) stays >= WAVE_MIN_BYTES with the steepest ramp (lift 0 to MAX_LIFT) that
+    ``ops_per_wave`` operations per wave, stays within ``budget`` and whose smallest chunk (of
+    ``pieces`` per wave) stays >= ``floor`` with the steepest ramp (lift 0 to MAX_LIFT) that
     allows it; ``(1, 0)`` if none does. More waves overlap the tiers better even where the floor
     makes them ramp gentler."""
     for k in range(most, 1, -1):
-        if k * ops_per_wave > MAX_WAVE_OPS:
+        if k * ops_per_wave > budget:
             continue
         for lift in range(MAX_LIFT + 1):
-            if (nbytes or 0) * (1 + lift) // (pieces * sum(ramp(k, lift))) >= WAVE_MIN_BYTES:
+            if (nbytes or 0) * (1 + lift) // (pieces * sum(ramp(k, lift))) >= floor:
                 return k, lift
     return 1, 0
 
@@ -581,6 +603,9 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
                for t in topo.tiers if len(t.groups) < p}
 
     pos = {r: i for i, r in enumerate(order)}
+    # Operations the schedule may have: MAX_WAVE_OPS, or what the fewest a share per rank can have (one
+    # wave, the fewest spans) where that is more, as it is taken then anyway (see Budget).
+    budget = max(MAX_WAVE_OPS, _ops_per_wave(p, stages, collective, SPAN_PIECES[-1]))
 
     def chunks_per_wave(staged, balanced=False, leaders=False, shares=None):
         """The ``pieces`` :func:`wave_depth` counts in a wave of ``staged``'s stages: the smallest
@@ -592,7 +617,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         return pieces if collective != "allreduce" else -(-sum(held) // min(held))
 
     def build(tiers, k, lift=0, exchange=(), balanced=False, leaders=False, shares=None):
-        """The schedule with the most spans (SPAN_PIECES) that keep its ``k`` waves within MAX_WAVE_OPS, or
+        """The schedule with the most spans (SPAN_PIECES) that keep its ``k`` waves within ``budget``, or
         with fewer waves where even the fewest spans do not. :func:`_ops_per_wave` only estimates (it
         counts too few where groups are unequal or the lead splits a run: 617040 operations for 15 waves
         on 2 GPUs x 96 hosts at 1 TiB), so the schedule built has the last word; every wave has as many
@@ -603,18 +628,18 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         while True:
             for spans in SPAN_PIECES:
                 ops = per_wave.get(spans) or _ops_per_wave(p, staged, collective, spans, leaders)
-                if k * ops > MAX_WAVE_OPS and spans != SPAN_PIECES[-1]:
+                if k * ops > budget and spans != SPAN_PIECES[-1]:
                     continue
                 sched = hierarchical_schedule(order, tiers, collective, k, root, waves=k if waved else 1,
                                               ramped=waved, lift=lift, span_pieces=spans,
                                               lag=WAVE_LAG if waved else 0, exchange=exchange, split=True,
                                               balanced=balanced, leaders=leaders, shares=shares,
                                               stage_bandwidths=bandwidths)
-                if not waved or k == 1 or sched.nops <= MAX_WAVE_OPS:
+                if not waved or k == 1 or sched.nops <= budget:
                     return sched
                 per_wave[spans] = -(-sched.nops // k)
             k, lift = wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders, shares), per_wave[SPAN_PIECES[-1]],
-                                 k - 1)
+                                 k - 1, budget=budget)
 
     if not waved:
         return build(parts, pipeline_depth(nbytes, pieces))
@@ -624,11 +649,16 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         then differ from one per rank)."""
         return collective == "allreduce" and len(set(share_weights(p, stage_partitions(p, tiers)))) > 1
 
-    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE, shares=None):
+    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE, shares=None, floor=WAVE_MIN_BYTES):
         """:func:`wave_depth` for ``tiers``' stages: its smallest chunk is the smallest target's share."""
         staged = stage_partitions(p, tiers)
         return wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders, shares),
-                          _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most)
+                          _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most, floor, budget)
+
+    def depths_under(caps, floors, tiers, **kw):
+        """The distinct :func:`depth` of ``tiers`` under each of ``caps`` with each of ``floors``, fewest
+        waves first."""
+        return sorted({depth(tiers, most=most, floor=floor, **kw) for most in caps for floor in floors})
 
     def funnels(tiers, balanced, shares=None):
         """The first stages (by ring ``()``, then exchanging ``(1,)`` where its groups have more than two
@@ -653,7 +683,11 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     tier_sets = _tier_sets(p, parts)
     most_ops = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
                    for tiers in tier_sets or [parts])
-    depths = sorted({wave_depth(nbytes, pieces, most_ops, most) for most in WAVE_CAPS})
+    floors = (WAVE_MIN_BYTES, GENTLE_WAVE_MIN_BYTES)
+    depths = {floor: sorted({wave_depth(nbytes, pieces, most_ops, most, floor, budget) for most in WAVE_CAPS})
+              for floor in floors}
+    small = depths[GENTLE_WAVE_MIN_BYTES][-1][0] * most_ops <= CHOOSE_VARIANTS_OPS     # variants simulated (Floors)
+    depths = sorted({kl for kls in depths.values() for kl in kls if kl[0] * most_ops <= CHOOSE_VARIANTS_OPS})
     tried, kept = [], None
 
     def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False, shares=None):
@@ -671,9 +705,9 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
             kept = (seconds, tiers, sched)
         return seconds
 
-    def consider_leaders(tiers, balanced, caps, shares=None):
+    def consider_leaders(tiers, balanced, caps, floors, shares=None):
         """Leaders on ``tiers``' stages, where they load no link more (see Leaders): with the most waves
-        under each of ``caps``, then exchanging to the leaders with the fastest of those."""
+        under each of ``caps`` and ``floors``, then exchanging to the leaders with the fastest of those."""
         fits = funnels(tiers, balanced, shares)
         if not fits:
             return
@@ -681,7 +715,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         def led(k, lift, exchange=()):       # replacing a share per rank takes the margin (see Leaders)
             return consider(tiers, k, lift, exchange, balanced, True,
                             margin=kept is not None and not kept[2].info["leaders"], shares=shares)
-        fastest = min((led(*kl), kl) for kl in sorted({depth(tiers, balanced, True, most, shares) for most in caps}))
+        fastest = min((led(*kl), kl) for kl in depths_under(caps, floors, tiers, balanced=balanced, leaders=True,
+                                                              shares=shares))
         if (1,) in fits:
             led(*fastest[1], (1,))
 
@@ -698,13 +733,13 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         shares, seconds_per_byte = weighted
         if seconds_per_byte > load_seconds(topo, kept[2], 1.0) * (1 - WEIGHTED_GAIN):
             return
-        for k, lift in sorted({depth(tiers, most=most, shares=shares) for most in WAVE_CAPS}):
+        for k, lift in depths_under(WAVE_CAPS, floors, tiers, shares=shares):
             consider(tiers, k, lift, exchange, shares=shares)
 
-    if not nbytes or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS:      # every tier, as many waves as they allow
+    if not nbytes or not small:          # every tier, as many waves as they allow
         balanced = uneven(parts)
         if nbytes and depth(parts, balanced, True, WAVE_CAPS[-1])[0] > 1:   # leaders where they get waves
-            consider_leaders(parts, balanced, WAVE_CAPS[-1:])
+            consider_leaders(parts, balanced, WAVE_CAPS[-1:], floors[:1])
         if kept is None:
             return build(parts, *depth(parts, balanced), balanced=balanced)
     else:
@@ -722,7 +757,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         if collective == "allreduce":      # then shares weighted to load the busiest link least
             consider_weighted(kept[1])
         info = kept[2].info
-        consider_leaders(kept[1], info["balanced"], WAVE_CAPS,         # then leaders
+        consider_leaders(kept[1], info["balanced"], WAVE_CAPS, floors,         # then leaders
                          None if info["shares"] is None else tuple(info["shares"]))
     kept[2].info["variants_tried"] = tried
     return kept[2]
