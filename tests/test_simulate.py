@@ -408,11 +408,32 @@ def test_a_ceiling_that_falls_during_the_run_stops_it_later():
         calls.append(1)
         return math.inf if len(calls) < 20 else full.seconds / 2
 
-    with pytest.raises(Outpaced) as stopped:
-        simulate(topo, ring, N, ceiling=ceiling)
+    with pytest.raises(Outpaced) as stopped:    # (a schedule not yet simulated: ``ring``'s run is remembered)
+        simulate(topo, ALGORITHMS["ring"](topo, "allreduce", nbytes=N), N, ceiling=ceiling)
     assert len(calls) == 20
     assert full.seconds / 2 < stopped.value.at_least <= full.seconds * (1 + 1e-9)
 
+
+
+@pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
+def test_a_run_to_its_end_is_remembered_per_topology_and_size():
+    # an algorithm that simulated its variants returns one the planner simulates again: the run is
+    # given again, for the same topology (by fingerprint) and size only, and a ceiling still stops it
+    topo = Topology.load("topologies/fat-tree-4x4-r8.yaml")
+    ring = ALGORITHMS["ring"](topo, "allreduce", nbytes=64e6)
+    first = simulate(topo, ring, 64e6)
+    assert simulate(topo, ring, 64e6) is first
+    assert simulate(Topology.load("topologies/fat-tree-4x4-r8.yaml"), ring, 64e6) is first
+    assert simulate(topo, ring, 64e6, ceiling=lambda: first.seconds) is first      # a tie
+    with pytest.raises(Outpaced) as stopped:
+        simulate(topo, ring, 64e6, ceiling=lambda: first.seconds / 2)
+    assert stopped.value.at_least == first.seconds
+    other = simulate(topo, ring, 32e6)
+    assert other is not first and other.seconds < first.seconds
+    slower = Topology.load("topologies/fat-tree-4x4-r16.yaml")
+    assert simulate(slower, ring, 64e6).seconds > first.seconds
+    traced = simulate(topo, ring, 64e6, trace=[first.busiest[0][0]])
+    assert traced is not first and traced.seconds == first.seconds and traced.timeline
 
 def test_max_min_rates_progressive_filling():
     # link 0 (cap 1): flows 0, 1; link 1 (cap 2): flows 1, 2
