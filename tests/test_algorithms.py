@@ -11,7 +11,7 @@ from ddl.algorithms import (ALGORITHMS, dbt_schedule, delegated_schedule, halvin
                             hierarchical_schedule,
                             recursive_doubling_schedule, ring_order, ring_schedule, tiered_exchange_schedule)
 from ddl.algorithms.double_binary_tree import btree_parents, dtree_parents
-from ddl.algorithms.hierarchical import (GENTLE_WAVE_MIN_BYTES, MAX_LIFT, MAX_WAVE_OPS, SPAN_PIECES, WAVE_CAPS,
+from ddl.algorithms.hierarchical import (MAX_LIFT, MAX_WAVE_OPS, RAMP_MIN_BYTES, SPAN_PIECES, WAVE_CAPS,
                                         WAVE_LAG, WAVE_MIN_BYTES, _holders, leader_shares, ramp, share_weights,
                                         stage_partitions, wave_depth, wave_parts)
 from ddl.algorithms.variants import MIN_VARIANT_GAIN, replaces, variant_gain
@@ -379,7 +379,7 @@ def test_hierarchical_stages_match_tiers():
 
 
 def test_hierarchical_waves_overlap_the_stages():
-    # 64 MiB on 32 ranks in three tiers: chunks down to the 256 KiB floor, listed as waves through the
+    # 64 MiB on 32 ranks in three tiers: chunks down to the floor, listed as waves through the
     # stages, so the slow tier works while the fast ones reduce the next wave: faster than stage after
     # stage
     topo = three_tier(gpus=4, hosts=4, racks=2)
@@ -387,7 +387,7 @@ def test_hierarchical_waves_overlap_the_stages():
     waved = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     info = waved.info
     k = info["chunks_per_target"]
-    assert k == info["waves"] > 4 and min(waved.chunk_fractions) * nbytes >= WAVE_MIN_BYTES
+    assert k == info["waves"] > 4 and min(waved.chunk_fractions) * nbytes >= RAMP_MIN_BYTES
     staged = hierarchical_schedule(info["order"], [st["groups"] for st in info["stages"]][:-1], "allreduce",
                                    k, waves=1, exchange=info["exchange_stages"], leaders=info["leaders"])
     assert np.allclose(waved.bytes_sent(nbytes), staged.bytes_sent(nbytes))   # the same traffic, reordered
@@ -423,36 +423,32 @@ def test_hierarchical_waves_ramp_up_and_down():
         verify(ALGORITHMS["hierarchical"](topo, collective, root=3, nbytes=nbytes))
 
 
-GENTLE = GENTLE_WAVE_MIN_BYTES
-
-
-@pytest.mark.parametrize("nbytes,pieces,ops,floor,budget,k,lift", [
-    (64 << 20, 32, 4 * 31, GENTLE, None, 6, 2),   # 2 MiB per target: 3+4+5+5+4+3 = 24 parts, the smallest 256 KiB
-    (64 << 20, 32, 4 * 31, None, None, 8, 1),     # the 128 KiB floor: 2+3+...+5+5+...+2 = 32 parts
-    (16 << 20, 32, 4 * 31, GENTLE, None, 2, 0),   # 512 KiB per target: two halves; three waves never fit
-    (16 << 20, 32, 4 * 31, None, None, 3, 0),     # 1+2+1 quarters of 512 KiB
-    (256 << 20, 16, 4 * 15, None, None, 8, 0),    # plenty of bytes: MAX_PIPELINE, fully ramped
-    (256 << 20, 192, 4 * 191, GENTLE, None, 4, 1),  # the op budget stops at 4; 1+2+2+1 would cut 227 KiB chunks
-    (256 << 20, 192, 4 * 191, None, None, 4, 0),
-    (256 << 20, 1024, 4 * 1023, None, None, 1, 0),
-    (256 << 20, 1024, 4 * 1023, None, 4, 2, 0),   # a budget of four waves: two halves of 128 KiB
-    (1 << 20, 4, 4 * 3, GENTLE, None, 1, 0),      # 256 KiB per target: no room for two
-    (1 << 20, 4, 4 * 3, None, None, 2, 0),
-    (None, 8, 28, None, None, 1, 0),
+@pytest.mark.parametrize("nbytes,pieces,ops,steep,budget,k,lift", [
+    (64 << 20, 32, 4 * 31, False, None, 6, 2),   # 2 MiB per target: 3+4+5+5+4+3 = 24 parts, the smallest 256 KiB
+    (64 << 20, 32, 4 * 31, True, None, 6, 0),    # as many waves, 1+2+3+3+2+1: the smallest 170 KiB
+    (64 << 20, 32, 4 * 31, False, 4, 4, 0),      # a budget of four waves
+    (16 << 20, 32, 4 * 31, False, None, 2, 0),   # 512 KiB per target: two halves; three waves never fit
+    (16 << 20, 32, 4 * 31, True, None, 2, 0),
+    (256 << 20, 16, 4 * 15, False, None, 8, 0),  # plenty of bytes: MAX_PIPELINE, fully ramped
+    (256 << 20, 192, 4 * 191, False, None, 4, 1),  # the op budget stops at 4; 1+2+2+1 would cut 227 KiB chunks
+    (256 << 20, 192, 4 * 191, True, None, 4, 0),   # ... which the steep ramp allows
+    (256 << 20, 1024, 4 * 1023, False, None, 1, 0),
+    (1 << 20, 4, 4 * 3, True, None, 1, 0),       # 256 KiB per target: no room for two
+    (None, 8, 28, False, None, 1, 0),
 ])
-def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, floor, budget, k, lift):
-    floor = floor or WAVE_MIN_BYTES
+def test_wave_depth_keeps_chunks_and_ops_within_limits(nbytes, pieces, ops, steep, budget, k, lift):
     budget = MAX_WAVE_OPS if budget is None else budget * pieces * ops
-    assert wave_depth(nbytes, pieces, pieces * ops, floor=floor, budget=budget) == (k, lift)
+    assert wave_depth(nbytes, pieces, pieces * ops, steep=steep, budget=budget) == (k, lift)
+    floor = RAMP_MIN_BYTES if steep else WAVE_MIN_BYTES
     if k > 1:
         assert nbytes * (1 + lift) // (pieces * sum(ramp(k, lift))) >= floor
         assert pieces * k * ops <= budget
-        # the ramp is as steep as the floor allows
+        # the ramp is as steep as its floor allows
         assert lift == 0 or nbytes * lift // (pieces * sum(ramp(k, lift - 1))) < floor
-    if k < 8 and nbytes:                  # one wave more breaks a limit at every lift
+    if k < 8 and nbytes:                  # one wave more breaks a limit at every lift (WAVE_MIN_BYTES sets k)
         more = k + 1
         assert pieces * more * ops > budget or all(
-            nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < floor for up in range(MAX_LIFT + 1))
+            nbytes * (1 + up) // (pieces * sum(ramp(more, up))) < WAVE_MIN_BYTES for up in range(MAX_LIFT + 1))
 
 
 def test_more_messages_must_earn_a_margin_only_where_they_cost_nothing():
@@ -482,11 +478,10 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     p = topo.nranks
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     tried = sched.info["variants_tried"]
-    depths = sorted({wave_depth(nbytes, p, 4 * (p - 1), most, floor)
-                     for most in WAVE_CAPS for floor in (WAVE_MIN_BYTES, GENTLE_WAVE_MIN_BYTES)})
+    depths = sorted({wave_depth(nbytes, p, 4 * (p - 1), most, steep) for most in WAVE_CAPS for steep in (True, False)})
     assert (tried[0]["waves"], tried[0]["lift"]) == depths[0]          # every tier, fewest waves, first
     rings = [(t["waves"], t["lift"]) for t in tried if not t["exchange"] and not t["leaders"]]
-    assert rings[1 - len(depths):] == depths[1:]                        # then more waves, each floor's ramp
+    assert rings[1 - len(depths):] == depths[1:]                        # then more waves, steep and not
     order = sched.info["order"]
     by_size = {len(part): part for part in rank_partitions(topo)}
     kept = None
@@ -542,7 +537,8 @@ def test_hierarchical_tries_only_leaders_on_large_schedules(monkeypatch, racks):
     k, lift = info["chunks_per_target"], info["lift"]
     leaders = p // 4                 # a share per host
     assert k > 1 and sched.nops <= MAX_WAVE_OPS
-    assert nbytes * (1 + lift) // (leaders * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
+    assert nbytes * (1 + lift) // (leaders * sum(ramp(k, lift))) >= RAMP_MIN_BYTES       # steep (see Floors)
+    assert lift == 0 or nbytes * lift // (leaders * sum(ramp(k, lift - 1))) < RAMP_MIN_BYTES
     # one wave more (up to the highest cap), even with the fewest spans, breaks the budget or the floor
     tiers = [st["groups"] for st in info["stages"]][:-1]
     more = hierarchical_schedule(info["order"], tiers, "allreduce", k + 1, waves=k + 1, ramped=True,
@@ -555,8 +551,8 @@ def test_hierarchical_tries_only_leaders_on_large_schedules(monkeypatch, racks):
     plain = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     assert not simulated and not plain.info["leaders"] and "variants_tried" not in plain.info
     k, lift = plain.info["chunks_per_target"], plain.info["lift"]
-    assert k > 1 and nbytes * (1 + lift) // (p * sum(ramp(k, lift))) >= WAVE_MIN_BYTES
-    if racks == 3:   # 16 waves of leaders: 1.011 of the bound; 7 waves of a share per rank: 1.024
+    assert k > 1 and nbytes * (1 + lift) // (p * sum(ramp(k, lift))) >= RAMP_MIN_BYTES
+    if racks == 3:   # 12 waves of leaders: 1.011 of the bound; 4 waves of a share per rank: 1.036
         bound = lower_bound(topo, "allreduce", nbytes).seconds
         led, spread = simulate(topo, sched, nbytes).seconds, simulate(topo, plain, nbytes).seconds
         assert led < 1.015 * bound < 1.02 * bound < spread

@@ -36,9 +36,9 @@ reduced inside the fast ones. ``k`` chunks make ``k`` waves. What remains expose
 wave's way up to the slow tier and the last wave's way back down, so the waves *ramp*: chunk ``j``
 of ``k`` weighs ``min(j + 1, k - j)`` (1, 2, ..., 2, 1): small waves fill and drain the pipeline,
 large ones keep the slow tier busy, and the middle waves grow no faster than the slow tier absorbs
-them. Chunks go down to ``WAVE_MIN_BYTES`` (128 KiB, the smallest, first and last; see Floors) and
-the schedule to ``MAX_WAVE_OPS`` operations, which is what simulating and verifying it cost (see
-Budget). Where the floor would cut the first and last waves too small, the ramp is *lifted*: every
+them. Chunks go down to ``WAVE_MIN_BYTES`` (256 KiB, the smallest, first and last; as tree-packing's
+sub-chunks; see Floors for a steeper ramp) and the schedule to ``MAX_WAVE_OPS`` operations, which is
+what simulating and verifying it cost (see Budget). Where the floor would cut the first and last waves too small, the ramp is *lifted*: every
 weight plus one (2, 3, ..., 3, 2), up to ``MAX_LIFT``, since more waves on a gentler ramp overlap
 the tiers better than fewer on a steep one (on the 192-rank cluster four waves 2, 3, 3, 2 beat three
 waves 1, 2, 1; on the 32-rank three-tier test cluster at 64 MiB six lifted by two beat four). On the
@@ -104,25 +104,28 @@ the budget allows them one wave only: a wave of leaders goes in ``m`` parts wher
 goes in ``g m``, and at 1024 ranks that one wave of 16 parts gave 1.060 of the bound against 1.036
 for the 64 parts of a share per rank. On clusters built like the 192-rank one, a share per rank
 against leaders: 128 ranks 1.057 and 1.024, 256 ranks 1.037 and 1.017, 512 ranks 1.068 and 1.019
-(with the 256 KiB floor of the time; see Floors and Budget for what they are now).
+(before the steep ramps; see Floors and Budget for what they are now).
 
-Floors. A steeper ramp fills and drains faster but needs smaller first and last chunks. With a
-floor of 256 KiB the 128-rank cluster built like the 192-rank one got 16 waves lifted by three, its
-first wave's chunks 280 KiB: the rack uplinks waited 0.54 ms for the first sums, 1.024 of the bound.
-Lifted by 0, 1, 2 and 3 its leaders are predicted 43.53, 43.65, 43.84 and 43.97 ms. So the floor is
-128 KiB: 1.016 there, 1.011 on 192 ranks (1.018), 1.010 on 256 (1.017), 1.009 on 512 (1.019). But
-steeper is not always better: on the 4 x 8 DGX A100 cluster 12 waves lifted by one beat 12 by none
-(2.073 against 2.084 ms), and with the lower floor alone it fell from 1.017 of the bound to 1.026.
-Where variants are simulated the ramps that the old floor (``GENTLE_WAVE_MIN_BYTES``) allows are
-therefore tried as well, where they fit CHOOSE_VARIANTS_OPS; large schedules, which try no variants,
-take the steeper ones. A message of 128 KiB still takes 10 us on a 100 Gbit/s NIC, several of its
-latencies; a file's ``message_cost`` charges what a message costs beyond that.
+Floors. A steeper ramp fills and drains faster but needs smaller first and last chunks. With every
+chunk at least 256 KiB the 128-rank cluster built like the 192-rank one got 16 waves lifted by
+three, its first wave's chunks 280 KiB: the rack uplinks waited 0.54 ms for the first sums, 1.024 of
+the bound. Lifted by 0, 1, 2 and 3 its leaders are predicted 43.53, 43.65, 43.84 and 43.97 ms. So
+``WAVE_MIN_BYTES`` (256 KiB) still sets how many waves there are, and ``RAMP_MIN_BYTES`` (128 KiB)
+how steep their ramp may be (``wave_depth(steep=True)``): 1.016 there (16 waves lifted by one), 1.011
+on 192 ranks (1.018), 1.011 on 256 (1.017), 1.013 on 512 (1.019). A floor of 128 KiB for the wave
+count too gave the same or better predictions (192 ranks: 16 waves, 1.011), but more messages,
+which the simulator does not charge: on the emulated two-rack cluster at 4 MiB six waves of leaders
+instead of three, predicted 1.6% faster, ran 748 and 754 ms against 712 and 734 ms (two
+alternating pairs at half the link rate). Steeper is not always better either: on the 4 x 8 DGX A100
+cluster 12 waves lifted by one beat 12 lifted by none (2.073 against 2.084 ms). Where variants are
+simulated both ramps are therefore tried (the same operations, so the faster is kept); large
+schedules, which try no variants, take the steep one.
 
 Budget. Where even one wave of a share per rank on every tier exceeds MAX_WAVE_OPS, it is built
 anyway (a schedule needs one wave), so the budget is that wave's operations: 1.24 million at 1024
-ranks in three tiers. Leaders, with a quarter of the targets, fit four waves in it where
-MAX_WAVE_OPS allowed them one: 1.012 of the bound instead of a share per rank's 1.036, planned in
-44 s instead of 38.
+ranks in three tiers. Leaders, with a quarter of the targets, fit three waves in it (930816
+operations; the floor allows no more) where MAX_WAVE_OPS allowed them one: 1.017 of the bound instead
+of a share per rank's 1.036.
 
 Handoff. A ring member of the top stage sends block ``i - 1`` first (``i`` its index), then
 ``i - 2``, ..., and gets its own block back first, then ``i - 1``, ... The stage below lists each
@@ -215,10 +218,9 @@ from .variants import CHOOSE_VARIANTS_OPS, replaces
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
-WAVE_MIN_BYTES = 128 << 10
-# ... and where variants are simulated, the ramps that keep chunks at least this large are tried too
-# (see Floors).
-GENTLE_WAVE_MIN_BYTES = 256 << 10
+WAVE_MIN_BYTES = 256 << 10
+# ... and a steeper ramp of as many waves, down to this size, is taken or tried as well (see Floors).
+RAMP_MIN_BYTES = 128 << 10
 # ... as long as the schedule keeps within this many operations (plan time grows with them).
 MAX_WAVE_OPS = MAX_SCHEDULE_OPS
 # An allreduce ring member sends its share of a wave in spans: as many per step as the operation
@@ -267,18 +269,21 @@ def ramp(k, lift=0):
     return tuple(min(j + 1, k - j) + lift for j in range(k))
 
 
-def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE, floor=WAVE_MIN_BYTES, budget=MAX_WAVE_OPS):
+def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE, steep=False, budget=MAX_WAVE_OPS):
     """``(k, lift)``: the most ramped waves per target (up to ``most``) whose schedule, of
     ``ops_per_wave`` operations per wave, stays within ``budget`` and whose smallest chunk (of
-    ``pieces`` per wave) stays >= ``floor`` with the steepest ramp (lift 0 to MAX_LIFT) that
+    ``pieces`` per wave) stays >= WAVE_MIN_BYTES with the steepest ramp (lift 0 to MAX_LIFT) that
     allows it; ``(1, 0)`` if none does. More waves overlap the tiers better even where the floor
-    makes them ramp gentler."""
+    makes them ramp gentler. ``steep``: those ``k`` waves on the steepest ramp whose smallest chunk
+    stays >= RAMP_MIN_BYTES (see Floors)."""
+    def smallest(k, lift):
+        return (nbytes or 0) * (1 + lift) // (pieces * sum(ramp(k, lift)))
     for k in range(most, 1, -1):
         if k * ops_per_wave > budget:
             continue
         for lift in range(MAX_LIFT + 1):
-            if (nbytes or 0) * (1 + lift) // (pieces * sum(ramp(k, lift))) >= floor:
-                return k, lift
+            if smallest(k, lift) >= WAVE_MIN_BYTES:
+                return k, min(up for up in range(lift + 1) if smallest(k, up) >= RAMP_MIN_BYTES) if steep else lift
     return 1, 0
 
 
@@ -649,16 +654,16 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         then differ from one per rank)."""
         return collective == "allreduce" and len(set(share_weights(p, stage_partitions(p, tiers)))) > 1
 
-    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE, shares=None, floor=WAVE_MIN_BYTES):
+    def depth(tiers, balanced=False, leaders=False, most=MAX_PIPELINE, shares=None, steep=False):
         """:func:`wave_depth` for ``tiers``' stages: its smallest chunk is the smallest target's share."""
         staged = stage_partitions(p, tiers)
         return wave_depth(nbytes, chunks_per_wave(staged, balanced, leaders, shares),
-                          _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most, floor, budget)
+                          _ops_per_wave(p, staged, collective, SPAN_PIECES[-1], leaders), most, steep, budget)
 
-    def depths_under(caps, floors, tiers, **kw):
-        """The distinct :func:`depth` of ``tiers`` under each of ``caps`` with each of ``floors``, fewest
-        waves first."""
-        return sorted({depth(tiers, most=most, floor=floor, **kw) for most in caps for floor in floors})
+    def depths_under(caps, ramps, tiers, **kw):
+        """The distinct :func:`depth` of ``tiers`` under each of ``caps`` on each of ``ramps`` (steep or
+        not), fewest waves first."""
+        return sorted({depth(tiers, most=most, steep=steep, **kw) for most in caps for steep in ramps})
 
     def funnels(tiers, balanced, shares=None):
         """The first stages (by ring ``()``, then exchanging ``(1,)`` where its groups have more than two
@@ -683,11 +688,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     tier_sets = _tier_sets(p, parts)
     most_ops = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
                    for tiers in tier_sets or [parts])
-    floors = (WAVE_MIN_BYTES, GENTLE_WAVE_MIN_BYTES)
-    depths = {floor: sorted({wave_depth(nbytes, pieces, most_ops, most, floor, budget) for most in WAVE_CAPS})
-              for floor in floors}
-    small = depths[GENTLE_WAVE_MIN_BYTES][-1][0] * most_ops <= CHOOSE_VARIANTS_OPS     # variants simulated (Floors)
-    depths = sorted({kl for kls in depths.values() for kl in kls if kl[0] * most_ops <= CHOOSE_VARIANTS_OPS})
+    ramps = (True, False)               # steep, then not (see Floors)
+    depths = sorted({wave_depth(nbytes, pieces, most_ops, most, steep, budget) for most in WAVE_CAPS for steep in ramps})
     tried, kept = [], None
 
     def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False, shares=None):
@@ -705,9 +707,9 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
             kept = (seconds, tiers, sched)
         return seconds
 
-    def consider_leaders(tiers, balanced, caps, floors, shares=None):
+    def consider_leaders(tiers, balanced, caps, ramps, shares=None):
         """Leaders on ``tiers``' stages, where they load no link more (see Leaders): with the most waves
-        under each of ``caps`` and ``floors``, then exchanging to the leaders with the fastest of those."""
+        under each of ``caps`` on each of ``ramps``, then exchanging to the leaders with the fastest."""
         fits = funnels(tiers, balanced, shares)
         if not fits:
             return
@@ -715,7 +717,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         def led(k, lift, exchange=()):       # replacing a share per rank takes the margin (see Leaders)
             return consider(tiers, k, lift, exchange, balanced, True,
                             margin=kept is not None and not kept[2].info["leaders"], shares=shares)
-        fastest = min((led(*kl), kl) for kl in depths_under(caps, floors, tiers, balanced=balanced, leaders=True,
+        fastest = min((led(*kl), kl) for kl in depths_under(caps, ramps, tiers, balanced=balanced, leaders=True,
                                                               shares=shares))
         if (1,) in fits:
             led(*fastest[1], (1,))
@@ -733,15 +735,15 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         shares, seconds_per_byte = weighted
         if seconds_per_byte > load_seconds(topo, kept[2], 1.0) * (1 - WEIGHTED_GAIN):
             return
-        for k, lift in depths_under(WAVE_CAPS, floors, tiers, shares=shares):
+        for k, lift in depths_under(WAVE_CAPS, ramps, tiers, shares=shares):
             consider(tiers, k, lift, exchange, shares=shares)
 
-    if not nbytes or not small:          # every tier, as many waves as they allow
+    if not nbytes or depths[-1][0] * most_ops > CHOOSE_VARIANTS_OPS:      # every tier, as many waves as they allow
         balanced = uneven(parts)
         if nbytes and depth(parts, balanced, True, WAVE_CAPS[-1])[0] > 1:   # leaders where they get waves
-            consider_leaders(parts, balanced, WAVE_CAPS[-1:], floors[:1])
+            consider_leaders(parts, balanced, WAVE_CAPS[-1:], ramps[:1])
         if kept is None:
-            return build(parts, *depth(parts, balanced), balanced=balanced)
+            return build(parts, *depth(parts, balanced, steep=True), balanced=balanced)
     else:
         for tiers in tier_sets:            # every tier, then fewer (each must earn the margin), at the fewest waves
             consider(tiers, *depths[0], margin=kept is not None)
@@ -757,7 +759,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         if collective == "allreduce":      # then shares weighted to load the busiest link least
             consider_weighted(kept[1])
         info = kept[2].info
-        consider_leaders(kept[1], info["balanced"], WAVE_CAPS, floors,         # then leaders
+        consider_leaders(kept[1], info["balanced"], WAVE_CAPS, ramps,          # then leaders
                          None if info["shares"] is None else tuple(info["shares"]))
     kept[2].info["variants_tried"] = tried
     return kept[2]
