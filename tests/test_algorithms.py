@@ -478,7 +478,8 @@ def test_hierarchical_simulates_its_variants_and_keeps_the_fastest(name, stages,
     p = topo.nranks
     sched = ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=nbytes)
     tried = sched.info["variants_tried"]
-    depths = sorted({wave_depth(nbytes, p, 4 * (p - 1), most, steep) for most in WAVE_CAPS for steep in (True, False)})
+    depths = sorted({wave_depth(nbytes, p, 4 * (p - 1), most, steep)
+                     for most in WAVE_CAPS for steep in (True, False)})
     assert (tried[0]["waves"], tried[0]["lift"]) == depths[0]          # every tier, fewest waves, first
     rings = [(t["waves"], t["lift"]) for t in tried if not t["exchange"] and not t["leaders"]]
     assert rings[1 - len(depths):] == depths[1:]                        # then more waves, steep and not

@@ -38,13 +38,13 @@ of ``k`` weighs ``min(j + 1, k - j)`` (1, 2, ..., 2, 1): small waves fill and dr
 large ones keep the slow tier busy, and the middle waves grow no faster than the slow tier absorbs
 them. Chunks go down to ``WAVE_MIN_BYTES`` (256 KiB, the smallest, first and last; as tree-packing's
 sub-chunks; see Floors for a steeper ramp) and the schedule to ``MAX_WAVE_OPS`` operations, which is
-what simulating and verifying it cost (see Budget). Where the floor would cut the first and last waves too small, the ramp is *lifted*: every
-weight plus one (2, 3, ..., 3, 2), up to ``MAX_LIFT``, since more waves on a gentler ramp overlap
-the tiers better than fewer on a steep one (on the 192-rank cluster four waves 2, 3, 3, 2 beat three
-waves 1, 2, 1; on the 32-rank three-tier test cluster at 64 MiB six lifted by two beat four). On the
-192-rank three-tier cluster at 256 MiB this cuts the predicted time from 82.5 ms (two chunks, stage
-after stage) to 71.7 ms (two equal waves), 64.6 ms (three ramped waves) and 63.1 ms (four waves,
-lifted by one).
+what simulating and verifying it cost (see Budget). Where the floor would cut the first and last waves
+too small, the ramp is *lifted*: every weight plus one (2, 3, ..., 3, 2), up to ``MAX_LIFT``, since
+more waves on a gentler ramp overlap the tiers better than fewer on a steep one (on the 192-rank
+cluster four waves 2, 3, 3, 2 beat three waves 1, 2, 1; on the 32-rank three-tier test cluster at 64
+MiB six lifted by two beat four). On the 192-rank three-tier cluster at 256 MiB this cuts the predicted
+time from 82.5 ms (two chunks, stage after stage) to 71.7 ms (two equal waves), 64.6 ms (three ramped
+waves) and 63.1 ms (four waves, lifted by one).
 
 Lag. Among the messages of one rank pair that are ready, the earliest in the program leaves first
 (MPI's non-overtaking order; the simulator follows it). Listing each wave's way up and then at once
@@ -689,7 +689,8 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     most_ops = max(_ops_per_wave(p, stage_partitions(p, tiers), collective, SPAN_PIECES[-1])
                    for tiers in tier_sets or [parts])
     ramps = (True, False)               # steep, then not (see Floors)
-    depths = sorted({wave_depth(nbytes, pieces, most_ops, most, steep, budget) for most in WAVE_CAPS for steep in ramps})
+    depths = sorted({wave_depth(nbytes, pieces, most_ops, most, steep, budget)
+                     for most in WAVE_CAPS for steep in ramps})
     tried, kept = [], None
 
     def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False, shares=None):
