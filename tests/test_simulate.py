@@ -414,7 +414,6 @@ def test_a_ceiling_that_falls_during_the_run_stops_it_later():
     assert full.seconds / 2 < stopped.value.at_least <= full.seconds * (1 + 1e-9)
 
 
-
 @pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
 def test_a_run_to_its_end_is_remembered_per_topology_and_size():
     # an algorithm that simulated its variants returns one the planner simulates again: the run is
@@ -434,6 +433,7 @@ def test_a_run_to_its_end_is_remembered_per_topology_and_size():
     assert simulate(slower, ring, 64e6).seconds > first.seconds
     traced = simulate(topo, ring, 64e6, trace=[first.busiest[0][0]])
     assert traced is not first and traced.seconds == first.seconds and traced.timeline
+
 
 def test_max_min_rates_progressive_filling():
     # link 0 (cap 1): flows 0, 1; link 1 (cap 2): flows 1, 2

@@ -283,7 +283,9 @@ def wave_depth(nbytes, pieces, ops_per_wave, most=MAX_PIPELINE, steep=False, bud
             continue
         for lift in range(MAX_LIFT + 1):
             if smallest(k, lift) >= WAVE_MIN_BYTES:
-                return k, min(up for up in range(lift + 1) if smallest(k, up) >= RAMP_MIN_BYTES) if steep else lift
+                if steep:
+                    lift = min(up for up in range(lift + 1) if smallest(k, up) >= RAMP_MIN_BYTES)
+                return k, lift
     return 1, 0
 
 
