@@ -302,6 +302,31 @@ def test_stopping_a_job_is_bounded_when_an_interrupt_left_the_wait_lock_held(mon
     assert returned, "stop hung on the held wait lock"
 
 
+LATE_SIGNALS = textwrap.dedent("""
+    import os, signal, sys, time
+    from ddl.cli.emulate import _ending_on_signals
+    def command(args):
+        os.kill(os.getpid(), signal.SIGTERM)      # arrives while the command runs: a teardown follows
+        time.sleep(5)
+        return 0
+    status = _ending_on_signals(command)(None)
+    os.kill(os.getpid(), signal.SIGINT)           # more signals after the teardown, before the exit
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)
+    sys.exit(status)
+""")
+
+
+def test_signals_after_the_teardown_do_not_change_the_exit_status():
+    """Once ``ddl emulate`` has torn down for a SIGTERM it exits 143 whatever comes after: a second
+    Ctrl-C or SIGTERM (or one landing while the interpreter shuts down) once ended it by that signal
+    (-2, -15), a status that no longer said the cluster had been torn down."""
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNALS], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=60, preexec_fn=_default_sigint)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr == "ddl: interrupted by SIGTERM\n"
+
+
 BENCH_JOB = textwrap.dedent("""
     import pathlib, signal, sys, time
     out = pathlib.Path(sys.argv[1])

@@ -87,7 +87,12 @@ def _load(path):
 def _ending_on_signals(command):
     """Run ``command`` with SIGTERM and SIGHUP raising KeyboardInterrupt as Ctrl-C does, so a cluster
     being built, run or removed is torn down for them too; exit then with 128 + the signal's number,
-    as a shell reports a process ended by it (143 for SIGTERM; Ctrl-C's 130 is the caller's)."""
+    as a shell reports a process ended by it (143 for SIGTERM; Ctrl-C's 130 is the caller's).
+
+    Once torn down, the process only has to exit, so Ctrl-C, SIGTERM and SIGHUP are ignored from then
+    on: one more (a Ctrl-C pressed again, or one that lands while the interpreter shuts down and has
+    put the default actions back) would otherwise end it by that signal instead of the status that
+    says what happened."""
     @functools.wraps(command)
     def run(args):
         with signals_as_interrupt() as caught:
@@ -96,6 +101,9 @@ def _ending_on_signals(command):
             except KeyboardInterrupt:
                 if caught.signum is None:
                     raise
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, *signals_as_interrupt.SIGNALS):
+                signal.signal(s, signal.SIG_IGN)
         print(f"ddl: interrupted by {signal.Signals(caught.signum).name}", file=sys.stderr)
         return 128 + caught.signum
     return run
