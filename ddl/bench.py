@@ -22,7 +22,13 @@ times the call; an iteration's time is the maximum over ranks (an MPI allreduce 
 reports the median over iterations. Iterations of the implementations alternate (ddl, mpi, gloo, ddl,
 ...), so slow drifts of a shared machine affect them alike. For ddl rows the row also carries the
 planner's prediction for the schedule that ran (simulated at that size) and the lower bound.
+
+Links (``--links``, on an emulated cluster): rank 0 reads the byte counters of every emulated link's
+shaper just before and just after each timed iteration (:mod:`ddl.emulate.counters`), so every row
+also says how many bytes its implementation put on each link per iteration, and a ddl row how much
+data its schedule was planned to put there: where the time goes, link by link.
 """
+import functools
 import json
 import math
 import os
@@ -66,6 +72,7 @@ class Options:
     progress: object = None          # None: automatic (runs longer than a few seconds), True, False
     scale: object = None             # the network runs at scale x the file's link bandwidths (emulation)
     device: str = "cpu"              # where the buffers live: cpu (numpy) or gpu (CuPy)
+    links: bool = False              # bytes on every emulated link per iteration (tc counters), and planned
 
 
 # ---- argument parsing: pure, so every rank raises the same Error (but for the files options() checks) ---
@@ -189,7 +196,7 @@ def parse_names(text, choices, what):
 
 def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5", warmup="1",
             dtype="float32", op="sum", algorithms="auto", peers="mpi", json=False, plot=None,
-            progress=None, scale=None, device="cpu", writes_plot=True):
+            progress=None, scale=None, device="cpu", links=False, writes_plot=True):
     """Validated :class:`Options` from command-line strings; raises :class:`ddl.Error`.
 
     The topology file is checked here, on every rank (every rank loads it); the plot path only where
@@ -236,7 +243,7 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
                    iters=_parse_int(iters, "--iters", minimum=1),
                    warmup=_parse_int(warmup, "--warmup", minimum=0), dtype=dtype, op=op,
                    algorithms=algos, peers=peer_names, json=bool(json), plot=plot, progress=progress,
-                   scale=None if scale in (None, 1.0) else scale, device=device)
+                   scale=None if scale in (None, 1.0) else scale, device=device, links=bool(links))
 
 
 def scaled_topology(topo, scale):
@@ -670,6 +677,7 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                 continue
             impls.append(GlooImpl(world))
 
+    meter = agree(world, lambda: _link_meter() if opts.links and lead else None)
     if len(counts) < len(opts.sizes):
         note(f"sizes are whole {dtype.name} elements ({dtype.itemsize} B): {len(opts.sizes) - len(counts)} of "
              f"the sizes asked for rounded down onto another or to nothing")
@@ -705,9 +713,12 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                 _timed(impl, world, send, recv, opts.op, memory)
                 if progress:
                     progress.step(nbytes, f"{format_size(nbytes)} {impl.name} warm-up")
+        if meter:
+            meter.clear()
         for it in range(opts.iters):
             for impl in active:
-                times[impl.name].append(_timed(impl, world, send, recv, opts.op, memory))
+                call = functools.partial(_timed, impl, world, send, recv, opts.op, memory)
+                times[impl.name].append(meter.around(impl.name, call) if meter else call())
                 if it == opts.iters - 1:
                     mine = int(np.count_nonzero(memory.download(recv) != want))
                     wrong[impl.name] = world.allreduce(mine, op=MPI.SUM)
@@ -720,11 +731,16 @@ def measure(opts, world=None, out=None, err=None, memory=None):
         for impl in active:
             row = _row(impl, nbytes, count, opts, nranks, times[impl.name], wrong[impl.name], bound,
                        predictions.get(impl.name), topo)
+            if meter:
+                row.update(_link_fields(meter, impl, model, nbytes))
             rows.append(row)
             if not opts.json:
                 if progress:
                     progress.clear()
                 print(format_row(row, widths), file=out, flush=True)
+        if meter and not opts.json:
+            for line in link_lines(rows[len(rows) - len(active):]):
+                print(line, file=out, flush=True)
         for name, why in skipped:
             if not opts.json:
                 print(f"# {format_size(nbytes)} {name}: skipped: {why}", file=out)
@@ -735,6 +751,53 @@ def measure(opts, world=None, out=None, err=None, memory=None):
     if not lead:
         return None, None, None
     return rows, notes, header
+
+
+def _link_meter():
+    """Rank 0's :class:`~ddl.emulate.counters.Meter` of the emulated cluster it runs in (``--links``),
+    read once here so that a cluster it cannot read stops the job before it measures."""
+    from .emulate import counters
+    meter = counters.Meter(counters.shaped_links(counters.current_cluster()))
+    meter.around("check", lambda: None)
+    return meter
+
+
+def _link_fields(meter, impl, model, nbytes):
+    """A row's ``link_bytes`` (measured, per iteration) and, for a schedule of ddl's,
+    ``link_bytes_planned`` (the data its schedule puts on each link)."""
+    from .emulate import counters
+    from .simulate import link_totals
+    fields = {"link_bytes": meter.per_call(impl.name)}
+    if impl.kind == "ddl" and impl.schedule is not None and model is not None:
+        fields["link_bytes_planned"] = counters.planned(model, meter.links, link_totals(model, impl.schedule, nbytes))
+    return fields
+
+
+LINK_LINES = 10
+"""Links the table shows per size (the busiest); ``--json`` has them all."""
+
+
+def link_lines(rows):
+    """The ``--links`` block under one size's rows: bytes per iteration on the busiest emulated links,
+    for every implementation, and the data ddl's schedule planned there."""
+    measured = [r for r in rows if r.get("link_bytes")]
+    if not measured:
+        return []
+    plan = next((r for r in measured if r.get("link_bytes_planned")), None)
+    names = sorted(measured[0]["link_bytes"], key=lambda k: -max(r["link_bytes"][k] for r in measured))
+    heads = [r["impl"] for r in measured] + ([f"{plan['impl']} plan"] if plan else [])
+    width = max(len(n) for n in names)
+    cols = [max(11, len(h)) for h in heads]
+    planned = "; plan: the data ddl's schedule puts there" if plan else ""
+    lines = [f"# bytes per iteration on the emulated links (tc counters: frames with their headers and TCP's "
+             f"acknowledgements{planned})",
+             "#   " + f"{'link':<{width}}" + "".join(f" {h:>{c}}" for h, c in zip(heads, cols))]
+    for name in names[:LINK_LINES]:
+        cells = [r["link_bytes"][name] for r in measured] + ([plan["link_bytes_planned"][name]] if plan else [])
+        lines.append("#   " + f"{name:<{width}}" + "".join(f" {format_size(round(b)):>{c}}" for b, c in zip(cells, cols)))
+    if len(names) > LINK_LINES:
+        lines.append(f"#   ... and {len(names) - LINK_LINES} less busy links (--json lists every link)")
+    return lines
 
 
 def _load_topology(opts, nranks):

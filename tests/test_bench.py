@@ -228,9 +228,10 @@ def test_device_gpu_without_a_usable_gpu_is_one_clear_error(env):
     (["--mtu", "9000"], "--mtu applies to --emulate only"),
     (["--emulate", "--mtu", "jumbo"], "--mtu must be a whole number of bytes from 1280 to 65535"),
     (["--emulate", "--mtu", "70000"], "--mtu must be a whole number of bytes from 1280 to 65535"),
+    (["--links"], "--links reads the counters of emulated links: add --emulate"),
 ])
 def test_argument_errors_exit_2_with_one_line(args, message, topo_file, capsys, monkeypatch):
-    for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"):
+    for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "DDL_EMULATED_CLUSTER"):
         monkeypatch.delenv(k, raising=False)
     assert main(["bench", topo_file, *args]) == 2
     err = capsys.readouterr().err
@@ -505,3 +506,24 @@ def test_memory_is_checked_for_the_ranks_that_share_a_machine(monkeypatch):
     check_sizes([200 << 20], "float32", "gpu", ranks_here=2)        # device buffers: not host memory
     with pytest.raises(Error, match="below one float64 element"):
         check_sizes([1, 7], "float64")
+
+
+def test_links_go_on_to_the_emulated_job_and_their_block_lists_the_busiest_first(topo_file):
+    from ddl.bench import LINK_LINES, link_lines, options
+    from ddl.cli.bench import forward_argv
+    assert "--links" in forward_argv(options(topology=topo_file, links=True))
+    assert "--links" not in forward_argv(options(topology=topo_file))
+    names = [f"l{i}" for i in range(LINK_LINES + 2)]
+    ddl_row = {"impl": "ddl", "link_bytes": {n: 1000.0 * i for i, n in enumerate(names)},
+               "link_bytes_planned": {n: 900.0 * i for i, n in enumerate(names)}}
+    mpi_row = {"impl": "mpi", "link_bytes": {n: 20000.0 if n == "l0" else 0.0 for n in names}}
+    lines = link_lines([ddl_row, mpi_row])
+    assert lines[0].startswith("# bytes per iteration on the emulated links") and "plan:" in lines[0]
+    assert lines[1].split() == ["#", "link", "ddl", "mpi", "ddl", "plan"]
+    body = [line.split() for line in lines[2:-1]]
+    # l0 first (mpi's 20000 B are the most on any link), then by ddl's bytes, busiest first
+    assert [b[1] for b in body] == ["l0", "l11", "l10", "l9", "l8", "l7", "l6", "l5", "l4", "l3"]
+    assert body[0][2:] == ["0", "B", "19.53", "KiB", "0", "B"] and body[1][2:4] == ["10.74", "KiB"]
+    assert lines[-1] == "#   ... and 2 less busy links (--json lists every link)"
+    assert link_lines([{"impl": "ddl"}]) == []          # no --links: no block
+    assert "plan" not in link_lines([mpi_row])[0]

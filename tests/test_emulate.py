@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from ddl import Error
-from ddl.emulate import launch, netns
+from ddl.algorithms import ALGORITHMS
+from ddl.emulate import counters, launch, netns
 from ddl.emulate.netns import Cluster, plan_network
+from ddl.simulate import link_totals
 from ddl.topology import Topology
 
 MBIT = 1e6 / 8
@@ -152,6 +154,86 @@ def test_nic_chain_bottleneck_and_hostname():
         with pytest.raises(Error, match="scale"):
             plan_network(topo, "x", scale=scale)
     assert plan_network(topo, "x", scale=1e6).host("b").rate_in == pytest.approx(100e6 * MBIT)
+
+
+def test_shaped_links_are_every_direction_of_every_link():
+    plan = plan_network(two_rack(), "ddl-7")
+    links = {link.name: link for link in counters.shaped_links(plan)}
+    assert len(links) == 12                       # 4 NICs and 2 uplinks, both ways
+    h0 = plan.host("h0")
+    assert links["h0 -> rack0"] == counters.ShapedLink("h0 -> rack0", h0.netns, "eth0", "h0", "rack0")
+    assert links["rack0 -> h0"] == counters.ShapedLink("rack0 -> h0", plan.switch_netns, h0.port, "rack0", "h0")
+    ends = {(link.src, link.dst): link.dev for link in links.values() if "h" not in link.src + link.dst}
+    up = next(u for u in plan.uplinks if {u.a, u.b} == {"rack0", "spine"})
+    assert ends[(up.a, up.b)] == up.end_a and ends[(up.b, up.a)] == up.end_b
+
+
+def test_planned_bytes_are_the_schedule_s_bytes_on_each_emulated_link():
+    topo = two_rack()
+    sched = ALGORITHMS["ring"](topo, "allreduce")
+    totals = link_totals(topo, sched, 1 << 20)
+    planned = counters.planned(topo, counters.shaped_links(plan_network(topo, "ddl-7")), totals)
+    assert planned["rack0 -> spine"] == totals[("rack0", "spine")] > 0
+    assert planned["spine -> rack0"] == totals[("spine", "rack0")] > 0
+    for h in range(4):
+        assert planned[f"h{h} -> rack{h // 2}"] == totals[(f"h{h}", f"rack{h // 2}")] > 0
+        assert planned[f"rack{h // 2} -> h{h}"] == totals[(f"rack{h // 2}", f"h{h}")] > 0
+    # a host whose ranks reach the switch through a NIC of their own: its emulated NIC carries what
+    # the topology's NIC-to-switch link does
+    chain = Topology("chain", [("sw", "switch"), ("a", "host"), ("a/nic", "nic"), ("a/gpu0", "gpu"),
+                               ("b", "host"), ("b/gpu0", "gpu")],
+                     [{"a": "a/gpu0", "b": "a", "bandwidth": 16e9}, {"a": "a", "b": "a/nic", "bandwidth": 1e9},
+                      {"a": "a/nic", "b": "sw", "bandwidth": 1e9}, {"a": "b/gpu0", "b": "b", "bandwidth": 16e9},
+                      {"a": "b", "b": "sw", "bandwidth": 1e9}], ["a/gpu0", "b/gpu0"])
+    totals = link_totals(chain, ALGORITHMS["ring"](chain, "allreduce"), 1 << 20)
+    planned = counters.planned(chain, counters.shaped_links(plan_network(chain, "ddl-7")), totals)
+    assert planned["a -> sw"] == totals[("a/nic", "sw")] > 0 and planned["sw -> a"] == totals[("sw", "a/nic")] > 0
+    assert planned["b -> sw"] == totals[("b", "sw")] > 0
+
+
+def _tc_json(devs):
+    return json.dumps([{"kind": "noqueue", "dev": "lo", "bytes": 0}] +
+                      [{"kind": "tbf", "dev": dev, "bytes": b} for dev, b in devs.items()])
+
+
+def test_counters_are_read_per_namespace_and_named_by_link():
+    plan = plan_network(small("count", hosts=2, per_host=1), "ddl-7")
+    links = counters.shaped_links(plan)
+    out = {plan.hosts[0].netns: {"eth0": 100}, plan.hosts[1].netns: {"eth0": 200},
+           plan.switch_netns: {plan.hosts[0].port: 300, plan.hosts[1].port: 400, "br0": 7}}
+    calls = []
+
+    def fake_tc(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, _tc_json(out[argv[2]]), "")
+    sent = counters.read(links, run=fake_tc)
+    assert sent == {"n0 -> sw": 100, "n1 -> sw": 200, "sw -> n0": 300, "sw -> n1": 400}
+    assert len(calls) == 3 and all(a[:2] == ["tc", "-n"] and "-j" in a for a in calls)   # one per namespace
+    del out[plan.switch_netns][plan.hosts[1].port]
+    with pytest.raises(Error, match="no shaper found for link sw -> n1"):
+        counters.read(links, run=fake_tc)
+    with pytest.raises(Error, match=f"cannot read the shapers of namespace {plan.hosts[0].netns}.*still up"):
+        counters.read(links, run=lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", "Cannot open netns"))
+
+
+def test_the_meter_counts_what_each_call_put_on_the_links():
+    total = {"a": 0, "b": 0}
+
+    def read(links):
+        return dict(total)
+
+    def send(a, b):
+        total["a"] += a
+        total["b"] += b
+    meter = counters.Meter(("a", "b"), read=read)
+    meter.around("ddl", lambda: send(10, 1))
+    send(1000, 1000)                              # between calls: not counted
+    meter.around("ddl", lambda: send(30, 3))
+    assert meter.around("mpi", lambda: send(5, 0) or "result") == "result"
+    assert meter.per_call("ddl") == {"a": 20, "b": 2} and meter.per_call("mpi") == {"a": 5, "b": 0}
+    assert meter.per_call("gloo") is None
+    meter.clear()
+    assert meter.per_call("ddl") is None
 
 
 def test_host_addresses_extend_beyond_one_block():
@@ -652,6 +734,33 @@ def test_a_second_up_of_a_cluster_being_built_is_refused(tmp_path):
         assert set(netns.list_namespaces()) == before and not state.exists()
     finally:
         holder.close()
+        _clean(name, state)
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_bench_links_counts_the_bytes_each_link_carried(tmp_path):
+    """``ddl bench --emulate --links``: every row has the bytes each emulated link carried per
+    iteration, read from its shaper; ddl's also the data its schedule planned there. Frames carry the
+    data plus their headers (1514 bytes per 1448) and TCP's acknowledgements, so a link carries a few
+    percent more than planned: never less, and not much more."""
+    name, path, state = _cluster_file(tmp_path, "links", per_host=1)
+    env = dict(_env(), DDL_CACHE_DIR=str(tmp_path / "plans"))
+    try:
+        res = subprocess.run([sys.executable, "-m", "ddl", "bench", path, "--emulate", "--no-rate-check", "--bytes",
+                              "4MiB", "--iters", "2", "--warmup", "0", "--peers", "mpi", "--links", "--json",
+                              "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+        assert res.returncode == 0, res.stderr[-2000:]
+        rows = {r["impl"]: r for r in json.loads(res.stdout)}
+        directions = {"n0 -> sw", "sw -> n0", "n1 -> sw", "sw -> n1"}
+        assert set(rows["ddl"]["link_bytes"]) == set(rows["ddl"]["link_bytes_planned"]) == directions
+        assert "link_bytes_planned" not in rows["mpi"]
+        for link in directions:
+            planned = rows["ddl"]["link_bytes_planned"][link]
+            assert planned >= 2 << 20                # two ranks: each sends at least half the buffer
+            assert planned <= rows["ddl"]["link_bytes"][link] <= planned * 1.15 + (64 << 10), link
+            assert rows["mpi"]["link_bytes"][link] >= 2 << 20
+    finally:
         _clean(name, state)
 
 

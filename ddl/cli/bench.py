@@ -72,6 +72,10 @@ def register(subparsers):
     p.add_argument("--mtu", default=None, metavar="N",
                    help="with --emulate: frame size of the emulated links (ddl emulate run --mtu N; "
                         "default 1500)")
+    p.add_argument("--links", action="store_true",
+                   help="with --emulate (or inside ddl emulate run): the bytes each emulated link carried "
+                        "per iteration, for every implementation, beside the data ddl's schedule planned "
+                        "there (read from the links' tc counters)")
     p.add_argument("--no-rate-check", action="store_true",
                    help="with --emulate: skip the emulator's point-to-point rate self-check")
     p.add_argument("--nranks", default=None, metavar="N",
@@ -133,8 +137,11 @@ def _options(args, writes_plot=True):
     opts = bench.options(topology=file, bytes=args.bytes, max_bytes=args.max_bytes, factor=args.factor,
                          iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op,
                          algorithms=args.algorithms, peers=args.peers, json=args.json, plot=args.plot,
-                         progress=args.progress, scale=args.scale, device=args.device,
+                         progress=args.progress, scale=args.scale, device=args.device, links=args.links,
                          writes_plot=writes_plot)
+    if args.links and not args.emulate and not os.environ.get("DDL_EMULATED_CLUSTER"):
+        raise Error("--links reads the counters of emulated links: add --emulate (or run inside `ddl emulate "
+                    "run FILE -- ...`)")
     if args.no_rate_check and not args.emulate:
         raise Error("--no-rate-check applies to --emulate only")
     if args.mtu is not None:
@@ -189,6 +196,8 @@ def forward_argv(opts):
         "--device", opts.device]
     if opts.json:
         argv.append("--json")
+    if opts.links:
+        argv.append("--links")
     if opts.plot:
         argv += ["--plot", opts.plot]
     if opts.scale is not None:

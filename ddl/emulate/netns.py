@@ -230,7 +230,7 @@ def plan_network(topo, tag, scale=1.0, mtu=MTU):
         raise Error(f"topology {topo.name!r} has no node of kind 'host': nothing to emulate "
                     "(give each machine a {id: ..., kind: host} node and link its devices to it)")
     _check_ranks_have_hosts(topo)
-    owned = _ownership(topo, hosts)
+    owned = ownership(topo, hosts)
     switches = [v for v in topo.nodes if topo.kind(v) == "switch" and v not in owned]
     attach = {h: _attachment(topo, h, owned, set(switches)) for h in hosts}
     _check_connected(topo, hosts, switches, attach)
@@ -291,7 +291,7 @@ def _named_owner(topo, v, hosts):
     return prefix if prefix != v and prefix in hosts else None
 
 
-def _ownership(topo, hosts):
+def ownership(topo, hosts):
     """``{vertex: host}`` for every vertex inside some host (hosts map to themselves)."""
     host_set = set(hosts)
     owner = {h: h for h in hosts}
