@@ -794,7 +794,8 @@ def link_lines(rows):
              "#   " + f"{'link':<{width}}" + "".join(f" {h:>{c}}" for h, c in zip(heads, cols))]
     for name in names[:LINK_LINES]:
         cells = [r["link_bytes"][name] for r in measured] + ([plan["link_bytes_planned"][name]] if plan else [])
-        lines.append("#   " + f"{name:<{width}}" + "".join(f" {format_size(round(b)):>{c}}" for b, c in zip(cells, cols)))
+        lines.append("#   " + f"{name:<{width}}" +
+                     "".join(f" {format_size(round(b)):>{c}}" for b, c in zip(cells, cols)))
     if len(names) > LINK_LINES:
         lines.append(f"#   ... and {len(names) - LINK_LINES} less busy links (--json lists every link)")
     return lines
