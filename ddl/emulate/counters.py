@@ -81,7 +81,7 @@ def planned(topo, links, totals):
     A switch-to-switch direction is one topology link. A host's NIC carries what every link from the
     host's own vertices (its ranks, CPUs, NICs: as the emulator assigns them) to its switch carries, or
     back."""
-    hosts = [v for v in topo.nodes if topo.kind(v) == "host"]
+    hosts = {v for v in topo.nodes if topo.kind(v) == "host"}
     owner = netns.ownership(topo, hosts)
     out = {}
     for link in links:
