@@ -757,9 +757,9 @@ def _link_meter():
     """Rank 0's :class:`~ddl.emulate.counters.Meter` of the emulated cluster it runs in (``--links``),
     read once here so that a cluster it cannot read stops the job before it measures."""
     from .emulate import counters
-    meter = counters.Meter(counters.shaped_links(counters.current_cluster()))
-    meter.around("check", lambda: None)
-    return meter
+    links = counters.shaped_links(counters.current_cluster())
+    counters.read(links)
+    return counters.Meter(links)
 
 
 def _link_fields(meter, impl, model, nbytes):
