@@ -764,12 +764,14 @@ def _link_meter():
 
 def _link_fields(meter, impl, model, nbytes):
     """A row's ``link_bytes`` (measured, per iteration) and, for a schedule of ddl's,
-    ``link_bytes_planned`` (the data its schedule puts on each link)."""
+    ``link_bytes_planned`` (the data its schedule puts on each link: from the simulation that
+    :func:`_predictions` ran, which the schedule remembers)."""
     from .emulate import counters
-    from .simulate import link_totals
+    from .simulate import simulate
     fields = {"link_bytes": meter.per_call(impl.name)}
     if impl.kind == "ddl" and impl.schedule is not None and model is not None:
-        fields["link_bytes_planned"] = counters.planned(model, meter.links, link_totals(model, impl.schedule, nbytes))
+        totals = simulate(model, impl.schedule, nbytes).link_bytes
+        fields["link_bytes_planned"] = counters.planned(model, meter.links, totals)
     return fields
 
 
