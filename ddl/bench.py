@@ -27,6 +27,10 @@ Links (``--links``, on an emulated cluster): rank 0 reads the byte counters of e
 shaper just before and just after each timed iteration (:mod:`ddl.emulate.counters`), so every row
 also says how many bytes its implementation put on each link per iteration, and a ddl row how much
 data its schedule was planned to put there: where the time goes, link by link.
+
+Trace (``--trace FILE``): every rank records when each message of ddl's timed calls was posted and when
+it arrived (:mod:`ddl.trace`); rank 0 writes them as a Chrome trace and adds, under each size's rows,
+when the agreement ended, the first and last message between hosts arrived and the call ended.
 """
 import functools
 import json
@@ -73,6 +77,7 @@ class Options:
     scale: object = None             # the network runs at scale x the file's link bandwidths (emulation)
     device: str = "cpu"              # where the buffers live: cpu (numpy) or gpu (CuPy)
     links: bool = False              # bytes on every emulated link per iteration (tc counters), and planned
+    trace: object = None             # path of the Chrome trace of ddl's messages (rank 0 writes it), or None
 
 
 # ---- argument parsing: pure, so every rank raises the same Error (but for the files options() checks) ---
@@ -196,11 +201,12 @@ def parse_names(text, choices, what):
 
 def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5", warmup="1",
             dtype="float32", op="sum", algorithms="auto", peers="mpi", json=False, plot=None,
-            progress=None, scale=None, device="cpu", links=False, writes_plot=True):
+            progress=None, scale=None, device="cpu", links=False, trace=None, writes_plot=True):
     """Validated :class:`Options` from command-line strings; raises :class:`ddl.Error`.
 
-    The topology file is checked here, on every rank (every rank loads it); the plot path only where
-    ``writes_plot`` (rank 0 of a job: the only rank that writes it, in its own working folder). Under
+    The topology file is checked here, on every rank (every rank loads it); the plot and trace paths
+    only where ``writes_plot`` (rank 0 of a job: the only rank that writes them, in its own working
+    folder). Under
     MPI those checks can differ between ranks, so a job's ranks :func:`agree` on the outcome.
     """
     from .planner import algorithm_names
@@ -230,6 +236,13 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
         if writes_plot:
             check_plot_path(plot)       # as given: os.path.abspath('') would be the current folder
         plot = os.path.abspath(plot)
+    if trace is not None:
+        if device == "gpu":
+            raise Error("--trace follows the messages of ddl's host executor: it is not available with "
+                        "--device gpu")
+        if writes_plot:
+            check_output_file("--trace", trace, "trace.json")
+        trace = os.path.abspath(trace)
     if scale is not None:
         try:
             scale = float(scale)
@@ -243,7 +256,8 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
                    iters=_parse_int(iters, "--iters", minimum=1),
                    warmup=_parse_int(warmup, "--warmup", minimum=0), dtype=dtype, op=op,
                    algorithms=algos, peers=peer_names, json=bool(json), plot=plot, progress=progress,
-                   scale=None if scale in (None, 1.0) else scale, device=device, links=bool(links))
+                   scale=None if scale in (None, 1.0) else scale, device=device, links=bool(links),
+                   trace=trace)
 
 
 def scaled_topology(topo, scale):
@@ -678,6 +692,7 @@ def measure(opts, world=None, out=None, err=None, memory=None):
             impls.append(GlooImpl(world))
 
     meter = agree(world, lambda: _link_meter() if opts.links and lead else None)
+    tracing = Tracing(world, impls) if opts.trace else None
     if len(counts) < len(opts.sizes):
         note(f"sizes are whole {dtype.name} elements ({dtype.itemsize} B): {len(opts.sizes) - len(counts)} of "
              f"the sizes asked for rounded down onto another or to nothing")
@@ -718,12 +733,15 @@ def measure(opts, world=None, out=None, err=None, memory=None):
         for it in range(opts.iters):
             for impl in active:
                 call = functools.partial(_timed, impl, world, send, recv, opts.op, memory)
+                if tracing:
+                    call = tracing.recorded(impl, (impl.name, nbytes, it), call)
                 times[impl.name].append(meter.around(impl.name, call) if meter else call())
                 if it == opts.iters - 1:
                     mine = int(np.count_nonzero(memory.download(recv) != want))
                     wrong[impl.name] = world.allreduce(mine, op=MPI.SUM)
                 if progress:
                     progress.step(nbytes, f"{format_size(nbytes)} {impl.name} iteration {it + 1}/{opts.iters}")
+        moments = tracing.gather() if tracing else {}
         predictions = _predictions(active, model, nbytes) if lead and model is not None else {}
         bound = predictions.pop("__bound__", None)
         if not lead:
@@ -733,6 +751,8 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                        predictions.get(impl.name), topo)
             if meter:
                 row.update(_link_fields(meter, impl, model, nbytes))
+            if tracing and impl.name in tracing.traces:
+                row["trace"] = trace_medians(moments, impl.name, nbytes)
             rows.append(row)
             if not opts.json:
                 if progress:
@@ -741,11 +761,20 @@ def measure(opts, world=None, out=None, err=None, memory=None):
         if meter and not opts.json:
             for line in link_lines(rows[len(rows) - len(active):]):
                 print(line, file=out, flush=True)
+        if tracing and not opts.json:
+            for line in trace_lines(rows[len(rows) - len(active):]):
+                print(line, file=out, flush=True)
         for name, why in skipped:
             if not opts.json:
                 print(f"# {format_size(nbytes)} {name}: skipped: {why}", file=out)
     if progress:
         progress.clear()
+    if tracing:
+        tracing.close()
+        failure = tracing.write(opts.trace, err) if lead else None
+        failure = world.bcast(failure, root=0)
+        if failure:
+            raise JobError(failure, speaks=lead)
     for impl in impls:
         impl.close()
     if not lead:
@@ -800,6 +829,106 @@ def link_lines(rows):
                      "".join(f" {format_size(round(b)):>{c}}" for b, c in zip(cells, cols)))
     if len(names) > LINK_LINES:
         lines.append(f"#   ... and {len(names) - LINK_LINES} less busy links (--json lists every link)")
+    return lines
+
+
+class Tracing:
+    """``--trace``: ddl's timed calls recorded on every rank (:mod:`ddl.trace`), gathered on rank 0 after
+    each size, on rank 0's clock, and written there as one Chrome trace. A label is ``(implementation,
+    bytes, iteration)``. Creating it is collective over ``world`` (host names, clock offsets)."""
+
+    def __init__(self, world, impls):
+        from mpi4py import MPI
+
+        from . import trace
+        self.world = world
+        self.traces = {impl.name: trace.MessageTrace(impl.comm) for impl in impls if impl.kind == "ddl"}
+        self.hosts = world.allgather(MPI.Get_processor_name())
+        self.offsets = trace.clock_offsets(world)
+        self.events = [[] for _ in range(world.size)]    # rank 0: everything gathered, aligned
+
+    def recorded(self, impl, label, call):
+        """``call`` with ``impl``'s messages recorded under ``label`` (``call`` itself if not traced)."""
+        traced = self.traces.get(impl.name)
+        if traced is None:
+            return call
+
+        def run():
+            with traced.recording(label):
+                return call()
+        return run
+
+    def gather(self):
+        """Every rank's events since the last gather to rank 0 (collective); rank 0 gets their
+        :func:`ddl.trace.summary`, the other ranks ``{}``."""
+        from . import trace
+        mine = [event for traced in self.traces.values() for event in traced.take()]
+        got = self.world.gather(mine, root=0)
+        if got is None:
+            return {}
+        got = trace.aligned(got, self.offsets)
+        for kept, new in zip(self.events, got):
+            kept.extend(new)
+        return trace.summary(got, self.hosts)
+
+    def write(self, path, err):
+        """Rank 0: write the Chrome trace to ``path``; None, or what went wrong (one line)."""
+        from . import trace
+        from .schedule import write_file
+        document = trace.chrome_trace(self.events, self.hosts, name_of=_trace_name)
+        try:
+            write_file(path, json.dumps(document))
+        except OSError as exc:
+            return f"--trace {path}: cannot write the trace ({exc.strerror or exc})"
+        print(f"ddl bench: trace written to {path} (open it in https://ui.perfetto.dev or chrome://tracing)",
+              file=err, flush=True)
+        return None
+
+    def close(self):
+        for traced in self.traces.values():
+            traced.close()
+
+
+def _trace_name(label):
+    impl, nbytes, it = label
+    return f"{impl} {format_size(nbytes)} #{it + 1}"
+
+
+TRACE_MOMENTS = ("agreement", "first_message", "last_message", "end")
+
+
+def trace_medians(moments, impl, nbytes):
+    """The ``trace`` field of a ddl row: each moment of :func:`ddl.trace.summary` (seconds after the
+    call began), the median over the row's iterations that had it, or None; and ``between``."""
+    mine = [m for (name, size, _it), m in moments.items() if name == impl and size == nbytes]
+    out = {}
+    for key in TRACE_MOMENTS:
+        seen = [m[key] for m in mine if m[key] is not None]
+        out[key] = statistics.median(seen) if seen else None
+    out["between"] = mine[0]["between"] if mine else "ranks"
+    return out
+
+
+def trace_lines(rows):
+    """The ``--trace`` lines under one size's rows: when, in a median call, each traced implementation's
+    agreement ended, its first and last message between hosts arrived, and the call ended."""
+    lines = []
+    for row in rows:
+        t = row.get("trace")
+        if not t:
+            continue
+        parts = []
+        if t["agreement"] is not None:
+            parts.append(f"agreement done on every rank after {format_seconds(t['agreement'])}")
+        if t["first_message"] is not None:
+            parts.append(f"messages between {t['between']} arrived from {format_seconds(t['first_message'])} "
+                         f"to {format_seconds(t['last_message'])}")
+        else:
+            parts.append(f"no messages between {t['between']}")
+        if t["end"] is not None:
+            parts.append(f"done after {format_seconds(t['end'])}")
+        lines.append(f"# trace {row['impl']}: " + "; ".join(parts) + " (times after the first rank's call, "
+                     "medians over the iterations)")
     return lines
 
 

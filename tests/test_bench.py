@@ -229,6 +229,8 @@ def test_device_gpu_without_a_usable_gpu_is_one_clear_error(env):
     (["--emulate", "--mtu", "jumbo"], "--mtu must be a whole number of bytes from 1280 to 65535"),
     (["--emulate", "--mtu", "70000"], "--mtu must be a whole number of bytes from 1280 to 65535"),
     (["--links"], "--links reads the counters of emulated links: add --emulate"),
+    (["--trace", "/nonexistent-dir/t.json"], "--trace /nonexistent-dir/t.json: folder /nonexistent-dir does not exist"),
+    (["--device", "gpu", "--trace", "t.json"], "--trace follows the messages of ddl's host executor"),
 ])
 def test_argument_errors_exit_2_with_one_line(args, message, topo_file, capsys, monkeypatch):
     for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "DDL_EMULATED_CLUSTER"):
@@ -513,6 +515,9 @@ def test_links_go_on_to_the_emulated_job_and_their_block_lists_the_busiest_first
     from ddl.cli.bench import forward_argv
     assert "--links" in forward_argv(options(topology=topo_file, links=True))
     assert "--links" not in forward_argv(options(topology=topo_file))
+    argv = forward_argv(options(topology=topo_file, trace="t.json"))
+    assert argv[argv.index("--trace") + 1] == os.path.abspath("t.json")
+    assert "--trace" not in forward_argv(options(topology=topo_file))
     names = [f"l{i}" for i in range(LINK_LINES + 2)]
     ddl_row = {"impl": "ddl", "link_bytes": {n: 1000.0 * i for i, n in enumerate(names)},
                "link_bytes_planned": {n: 900.0 * i for i, n in enumerate(names)}}

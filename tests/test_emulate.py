@@ -743,13 +743,16 @@ def test_bench_links_counts_the_bytes_each_link_carried(tmp_path):
     """``ddl bench --emulate --links``: every row has the bytes each emulated link carried per
     iteration, read from its shaper; ddl's also the data its schedule planned there. Frames carry the
     data plus their headers (1514 bytes per 1448) and TCP's acknowledgements, so a link carries a few
-    percent more than planned: never less, and not much more."""
+    percent more than planned: never less, and not much more. With ``--trace`` too: the messages
+    between the emulated hosts, on tracks named with the hosts' own names."""
     name, path, state = _cluster_file(tmp_path, "links", per_host=1)
+    traced = tmp_path / "trace.json"
     env = dict(_env(), DDL_CACHE_DIR=str(tmp_path / "plans"))
     try:
         res = subprocess.run([sys.executable, "-m", "ddl", "bench", path, "--emulate", "--no-rate-check", "--bytes",
                               "4MiB", "--iters", "2", "--warmup", "0", "--peers", "mpi", "--links", "--json",
-                              "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+                              "--no-progress", "--trace", str(traced)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=150)
         assert res.returncode == 0, res.stderr[-2000:]
         rows = {r["impl"]: r for r in json.loads(res.stdout)}
         directions = {"n0 -> sw", "sw -> n0", "n1 -> sw", "sw -> n1"}
@@ -760,6 +763,12 @@ def test_bench_links_counts_the_bytes_each_link_carried(tmp_path):
             assert planned >= 2 << 20                # two ranks: each sends at least half the buffer
             assert planned <= rows["ddl"]["link_bytes"][link] <= planned * 1.15 + (64 << 10), link
             assert rows["mpi"]["link_bytes"][link] >= 2 << 20
+        t = rows["ddl"]["trace"]
+        assert t["between"] == "hosts" and 0 < t["first_message"] <= t["last_message"] <= t["end"]
+        events = json.loads(traced.read_text())["traceEvents"]
+        assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+            0: "rank 0 (n0)", 1: "rank 1 (n1)"}
+        assert sum(e["args"]["bytes"] for e in events if e["ph"] == "X" and e["tid"] > 0) >= 2 * (4 << 20)
     finally:
         _clean(name, state)
 

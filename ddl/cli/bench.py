@@ -76,6 +76,11 @@ def register(subparsers):
                    help="with --emulate (or inside ddl emulate run): the bytes each emulated link carried "
                         "per iteration, for every implementation, beside the data ddl's schedule planned "
                         "there (read from the links' tc counters)")
+    p.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="record when every message of ddl's timed calls was posted and arrived, on every "
+                        "rank, and write it as a Chrome trace (open it in https://ui.perfetto.dev or "
+                        "chrome://tracing); the table says when the agreement ended, when the first and "
+                        "last message between hosts arrived and when the call ended")
     p.add_argument("--no-rate-check", action="store_true",
                    help="with --emulate: skip the emulator's point-to-point rate self-check")
     p.add_argument("--nranks", default=None, metavar="N",
@@ -138,7 +143,7 @@ def _options(args, writes_plot=True):
                          iters=args.iters, warmup=args.warmup, dtype=args.dtype, op=args.op,
                          algorithms=args.algorithms, peers=args.peers, json=args.json, plot=args.plot,
                          progress=args.progress, scale=args.scale, device=args.device, links=args.links,
-                         writes_plot=writes_plot)
+                         trace=args.trace, writes_plot=writes_plot)
     if args.links and not args.emulate and not os.environ.get("DDL_EMULATED_CLUSTER"):
         raise Error("--links reads the counters of emulated links: add --emulate (or run inside `ddl emulate "
                     "run FILE -- ...`)")
@@ -200,6 +205,8 @@ def forward_argv(opts):
         argv.append("--links")
     if opts.plot:
         argv += ["--plot", opts.plot]
+    if opts.trace:
+        argv += ["--trace", opts.trace]
     if opts.scale is not None:
         argv += ["--scale", repr(opts.scale)]
     if opts.progress is not None:
