@@ -206,8 +206,8 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
 
     The topology file is checked here, on every rank (every rank loads it); the plot and trace paths
     only where ``writes_plot`` (rank 0 of a job: the only rank that writes them, in its own working
-    folder). Under
-    MPI those checks can differ between ranks, so a job's ranks :func:`agree` on the outcome.
+    folder). Under MPI those checks can differ between ranks, so a job's ranks :func:`agree` on the
+    outcome.
     """
     from .planner import algorithm_names
 
@@ -845,7 +845,7 @@ class Tracing:
         self.traces = {impl.name: trace.MessageTrace(impl.comm) for impl in impls if impl.kind == "ddl"}
         self.hosts = world.allgather(MPI.Get_processor_name())
         self.offsets = trace.clock_offsets(world)
-        self.events = [[] for _ in range(world.size)]    # rank 0: everything gathered, aligned
+        self.events = [[] for _ in range(world.size)]    # (rank 0's) everything gathered, aligned
 
     def recorded(self, impl, label, call):
         """``call`` with ``impl``'s messages recorded under ``label`` (``call`` itself if not traced)."""

@@ -40,7 +40,6 @@ class MessageTrace:
 
     def __init__(self, comm):
         from . import executor
-        self._executor = executor
         self.engine = engine = comm._engine
         self.events = []
         self.label = None
