@@ -863,10 +863,9 @@ class Tracing:
         :func:`ddl.trace.summary`, the other ranks ``{}``."""
         from . import trace
         mine = [event for traced in self.traces.values() for event in traced.take()]
-        got = self.world.gather(mine, root=0)
+        got = trace.gather(self.world, mine, self.offsets)
         if got is None:
             return {}
-        got = trace.aligned(got, self.offsets)
         for kept, new in zip(self.events, got):
             kept.extend(new)
         return trace.summary(got, self.hosts)

@@ -19,6 +19,17 @@ Clocks: every rank stamps with ``time.perf_counter``. :func:`clock_offsets` meas
 from rank 0 by ping-pong (the sample with the shortest round trip), so ranks on different machines line
 up to within half that round trip; ranks of one machine share the clock.
 
+In a program of one's own::
+
+    from ddl.trace import MessageTrace, chrome_trace, gather
+    traced = MessageTrace(comm)                       # comm: a ddl.Communicator
+    with traced.recording("step 1"):
+        comm.Allreduce(grads, out)
+    events = gather(MPI.COMM_WORLD, traced.take())    # collective; rank 0 gets every rank's events
+    hosts = MPI.COMM_WORLD.gather(MPI.Get_processor_name())
+    if events is not None:
+        json.dump(chrome_trace(events, hosts), open("trace.json", "w"))
+
 The k-th send of a tag from one rank to another pairs with the k-th arrival of that tag there (MPI's
 non-overtaking rule). On a message's receiver, the timeline of the pair ``sender -> receiver`` shows
 each message from when it could start moving -- its post, or the previous message's arrival on that
@@ -103,10 +114,11 @@ class MessageTrace:
 
 
 def clock_offsets(world, rounds=5):
-    """Every rank's ``time.perf_counter`` minus rank 0's (a list, on rank 0; None elsewhere), measured by
-    ping-pong with each rank in turn: of ``rounds`` round trips the shortest, assuming its two halves
-    equal. Collective over ``world``."""
+    """Every rank's ``time.perf_counter`` minus rank 0's, a list on every rank, measured by ping-pong
+    between rank 0 and each rank in turn: of ``rounds`` round trips the shortest, assuming its two
+    halves equal. Collective over ``world``."""
     rank, tag = world.rank, 7
+    offsets = None
     if rank == 0:
         offsets = [0.0]
         for peer in range(1, world.size):
@@ -119,11 +131,21 @@ def clock_offsets(world, rounds=5):
                 if best is None or t1 - t0 < best[0]:
                     best = (t1 - t0, theirs - (t0 + t1) / 2)
             offsets.append(best[1])
-        return offsets
-    for _ in range(rounds):
-        world.recv(source=0, tag=tag)
-        world.send(time.perf_counter(), dest=0, tag=tag)
-    return None
+    else:
+        for _ in range(rounds):
+            world.recv(source=0, tag=tag)
+            world.send(time.perf_counter(), dest=0, tag=tag)
+    return world.bcast(offsets, root=0)
+
+
+def gather(world, events, offsets=None):
+    """Collective over ``world``: every rank's ``events`` (from :meth:`MessageTrace.take`) on rank 0, as a
+    list per rank on rank 0's clock; None on the other ranks. ``offsets``: what :func:`clock_offsets`
+    gave before, on every rank, or None on every rank to measure them now."""
+    if offsets is None:
+        offsets = clock_offsets(world)
+    got = world.gather(events, root=0)
+    return None if got is None else aligned(got, offsets)
 
 
 def messages(events_by_rank):

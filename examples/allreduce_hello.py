@@ -1,11 +1,13 @@
 """Plan and run one allreduce with ddl, check the result, time it.
 
-    mpiexec -n 8 python -m mpi4py examples/allreduce_hello.py [topology.yaml] [--size 4MiB]
+    mpiexec -n 8 python -m mpi4py examples/allreduce_hello.py [topology.yaml] [--size 4MiB] [--trace t.json]
 
 Topology: the file given, else topologies/emulated-2rack.yaml when its rank count matches the number
 of processes, else a flat topology (every rank on one switch).
 """
 import argparse
+import contextlib
+import json
 import os
 import time
 
@@ -13,7 +15,9 @@ import numpy as np
 from mpi4py import MPI
 
 import ddl
+from ddl.cli import check_output_file
 from ddl.cli.argtypes import MPIParser, fail, size
+from ddl.trace import MessageTrace, chrome_trace, gather
 from ddl.units import format_seconds, format_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,12 +59,30 @@ def describe(comm, nbytes):
               f"(lower bound {format_seconds(plan.bound_seconds)}): {plan.reason}")
 
 
+def write_trace(world, traced, path):
+    """Every rank's traced events to rank 0, on its clock, written there as a Chrome trace."""
+    events = gather(world, traced.take())
+    hosts = world.gather(MPI.Get_processor_name())
+    if events is not None:
+        with open(path, "w") as f:
+            json.dump(chrome_trace(events, hosts), f)
+        print(f"  trace of the timed calls written to {path}")
+
+
 def main():
     ap = MPIParser(description=__doc__.splitlines()[0])
     ap.add_argument("topology", nargs="?", default=None)
     ap.add_argument("--size", type=size, default="4MiB", help="message size (default 4MiB)")
     ap.add_argument("--iters", type=iterations, default=5, help="timed calls (default 5)")
+    ap.add_argument("--trace", default=None, metavar="FILE.json",
+                    help="write when every message of the timed calls was posted and arrived, on every rank, "
+                         "as a Chrome trace (open it in https://ui.perfetto.dev)")
     args = ap.parse_args()
+    if args.trace:
+        try:
+            check_output_file("--trace", args.trace, "trace.json")
+        except ddl.Error as exc:
+            fail(exc)
 
     world = MPI.COMM_WORLD
     try:
@@ -76,12 +98,16 @@ def main():
 
     send = np.arange(count, dtype=np.float32) % 1024 + comm.rank
     recv = np.empty_like(send)
+    traced = MessageTrace(comm) if args.trace else None
     times = []
-    for _ in range(args.iters):
+    for i in range(args.iters):
         world.Barrier()
         t0 = time.perf_counter()
-        comm.Allreduce(send, recv, op=ddl.SUM)
+        with traced.recording(f"allreduce #{i + 1}") if traced else contextlib.nullcontext():
+            comm.Allreduce(send, recv, op=ddl.SUM)
         times.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    if traced:
+        write_trace(world, traced, args.trace)
     expected = (np.arange(count, dtype=np.float64) % 1024) * comm.size + comm.size * (comm.size - 1) / 2
     ok = bool(np.array_equal(recv, expected.astype(np.float32)))
     all_ok = world.allreduce(ok, op=MPI.LAND)

@@ -17,6 +17,22 @@ def test_allreduce_hello(n):
     assert re.search(r"time: best [\d.]+ (us|ms|s)", out)
 
 
+def test_allreduce_hello_writes_a_trace_of_its_timed_calls(tmp_path):
+    import json
+    out = run_ok(4, "examples/allreduce_hello.py", "--size", "2MiB", "--iters", "3", "--trace",
+                 str(tmp_path / "t.json"))
+    assert "result check: OK" in out and f"written to {tmp_path / 't.json'}" in out
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    calls = [e for e in events if e["ph"] == "X" and e["tid"] == 0 and e["name"].startswith("allreduce #")]
+    assert sorted((e["pid"], e["name"]) for e in calls) == sorted((r, f"allreduce #{i}") for r in range(4)
+                                                                  for i in (1, 2, 3))
+    msgs = [e for e in events if e["ph"] == "X" and e["tid"] > 0]
+    assert {e["pid"] for e in msgs} == set(range(4)) and all(e["dur"] >= 0 for e in msgs)
+    # every rank receives, over the three calls, at least the (p - 1) / p of the buffer a reduction needs
+    for r in range(4):
+        assert sum(e["args"]["bytes"] for e in msgs if e["pid"] == r) >= 3 * (2 << 20) * 3 // 4
+
+
 def test_allreduce_hello_on_a_zoo_topology():
     out = run_ok(8, "examples/allreduce_hello.py", "topologies/emulated-2rack.yaml", "--size", "64KiB",
                  "--iters", "2", timeout=180)
