@@ -94,7 +94,8 @@ class MessageTrace:
 
     @contextmanager
     def recording(self, label):
-        """Keep the events of the collectives called inside, under ``label`` (any picklable value)."""
+        """Keep the events of the collectives called inside, under ``label`` (any picklable value). Only
+        what happens inside is kept: wait for a nonblocking collective inside the block too."""
         self.label = label
         try:
             yield
