@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mpi_cases._launch import ROOT, run_ok
+from mpi_cases._launch import ROOT, run_mpi, run_ok
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -31,6 +31,13 @@ def test_allreduce_hello_writes_a_trace_of_its_timed_calls(tmp_path):
     # every rank receives, over the three calls, at least the (p - 1) / p of the buffer a reduction needs
     for r in range(4):
         assert sum(e["args"]["bytes"] for e in msgs if e["pid"] == r) >= 3 * (2 << 20) * 3 // 4
+
+
+def test_allreduce_hello_refuses_a_trace_it_cannot_write_before_it_runs(tmp_path):
+    rc, out, _ = run_mpi(2, "examples/allreduce_hello.py", "--trace", str(tmp_path / "no-such" / "t.json"))
+    assert rc == 2 and "Traceback" not in out
+    assert out.count(f"error: --trace {tmp_path / 'no-such' / 't.json'}: folder") == 1 and "does not exist" in out
+    assert "ddl allreduce of" not in out
 
 
 def test_allreduce_hello_on_a_zoo_topology():
