@@ -3,18 +3,15 @@ summary, and a real traced run under mpiexec whose every message is in the file.
 import collections
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from mpi_cases._launch import MPIEXEC, ROOT, run_ok
 
 from ddl import trace
 from ddl.trace import ARRIVE, CALL, DATA, END, POST
 
-ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 FOUR_RANKS = """name: flat-4
@@ -129,13 +126,11 @@ def test_a_traced_run_records_every_message_of_every_timed_call(tmp_path):
         assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:])), (track, spans)
 
 
-@needs_mpi
 def test_an_untraced_communicator_is_left_as_it_was(tmp_path):
     script = tmp_path / "untrace.py"
     script.write_text("""import numpy as np
 from mpi4py import MPI
 import ddl
-from ddl.executor import Engine
 from ddl.trace import MessageTrace, POST
 comm = ddl.Communicator(MPI.COMM_WORLD, algorithm="ring", check="always")
 engine = comm._engine
@@ -152,10 +147,6 @@ t.close()
 assert not {"start", "_start_data", "_dispatch", "_finish"} & set(vars(engine)) and engine._isend == isend
 comm.Allreduce(x, y)
 assert t.take() == [] and np.all(y == MPI.COMM_WORLD.size)
-print("ok")
+print("UNTRACED OK")
 """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_"))}
-    env["DDL_CACHE_DIR"] = str(tmp_path / "plans")
-    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and p.stdout.count("ok") == 2, p.stdout + p.stderr
+    assert run_ok(2, str(script)).count("UNTRACED OK") == 2
