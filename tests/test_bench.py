@@ -465,6 +465,35 @@ def test_sigint_to_mpiexec_ends_the_whole_job_at_once(env):
         assert status == 130 and "ddl: interrupted" in err, (status, err)
 
 
+def test_an_aborting_rank_waits_until_the_launcher_has_read_its_last_line(tmp_path):
+    """MPI_Abort makes mpiexec kill the job at once: a last line still in the rank's stderr pipe would
+    be lost, leaving a status and no reason. The rank waits for the pipe to be read, boundedly."""
+    import threading
+    import time
+    from ddl.emulate.launch import _wait_until_read
+    r, w = os.pipe()
+    with os.fdopen(w, "w") as writer, os.fdopen(r, "rb") as reader:
+        writer.write("ddl: interrupted\n")
+        writer.flush()
+        reads = threading.Timer(0.3, lambda: reader.read1(100))
+        start = time.monotonic()
+        reads.start()
+        _wait_until_read(writer, seconds=10)
+        waited = time.monotonic() - start
+        reads.join()
+        assert 0.3 <= waited < 5, waited                   # until the reader took the line, no longer
+        writer.write("never read\n")
+        writer.flush()
+        start = time.monotonic()
+        _wait_until_read(writer, seconds=0.2)              # a reader that has stopped: bounded
+        assert 0.2 <= time.monotonic() - start < 2
+    with open(tmp_path / "log", "w") as file:              # a file has no reader to wait for
+        file.write("x")
+        start = time.monotonic()
+        _wait_until_read(file, seconds=10)
+        assert time.monotonic() - start < 1
+
+
 def torch_problem_here():
     from ddl.bench import torch_problem
     return torch_problem()

@@ -187,9 +187,8 @@ def _abort(world, exc):
     else:
         import traceback
         text, status = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(), 1
-    sys.stderr.write(text + "\n")     # one write: lines of ranks aborting together stay whole
-    sys.stderr.flush()
-    world.Abort(status)
+    from ..emulate.launch import abort_job
+    abort_job(world, text, status)
 
 
 def forward_argv(opts):

@@ -140,8 +140,7 @@ def _check_placement(comm):
     wanted = os.environ.get("DDL_EMULATED_HOSTS", "").split(",")
     here = socket.gethostname()
     if comm.rank < len(wanted) and wanted[comm.rank] and wanted[comm.rank] != here:
-        sys.stderr.write(f"rank {comm.rank} runs on {here}, expected {wanted[comm.rank]}\n")
-        comm.Abort(3)
+        launch.abort_job(comm, f"rank {comm.rank} runs on {here}, expected {wanted[comm.rank]}", 3)
 
 
 def _transfer(comm, test, buf, ack):
