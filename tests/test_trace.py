@@ -14,16 +14,6 @@ from ddl.trace import ARRIVE, CALL, DATA, END, POST
 
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
-FOUR_RANKS = """name: flat-4
-nodes:
-  - {id: sw, kind: switch}
-  - {id: "r{i}", kind: cpu, for: {i: 4}}
-links:
-  - {a: "r{i}", b: sw, bandwidth: 10 Gbit/s, latency: 10 us, for: {i: 4}}
-ranks:
-  - {id: "r{i}", for: {i: 4}}
-"""
-
 
 def _two_rank_call(label="c", skew=0.0):
     """Rank 0 sends two messages with one tag and one with another to rank 1; rank 1's clock is
@@ -88,11 +78,11 @@ def test_chrome_trace_tracks_calls_and_messages_without_overlap():
 
 @needs_mpi
 def test_a_traced_run_records_every_message_of_every_timed_call(tmp_path):
-    from ddl.planner import Planner
+    from ddl.planner import Planner, flat_topology
     from ddl.topology import Topology
 
     topo_file = tmp_path / "flat-4.yaml"
-    topo_file.write_text(FOUR_RANKS)
+    flat_topology(4, "10 Gbit/s", "10 us").dump(topo_file)
     out = tmp_path / "t.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "DDL_TOPOLOGY"))}
     env["DDL_CACHE_DIR"] = str(tmp_path / "plans")
