@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .bench_report import format_row, link_lines, plot, print_summary, table_header, trace_lines, widths_for
 from .cli import check_output_file
 from .errors import Error, PlanError
-from .units import format_seconds, format_size, parse_size
+from .units import format_size, parse_size
 
 DTYPES = ("float32", "float64", "int32", "int64")
 OPS = ("sum", "max", "min")
@@ -54,9 +55,6 @@ PEERS = ("mpi", "gloo", "nccl")
 DEVICES = ("cpu", "gpu")
 PATTERN_PERIOD = 251  # prime, so a chunk landing at a wrong offset shows up as wrong elements
 MAX_SIZES = 64
-
-COLUMNS = ("size", "count", "type", "redop", "impl", "time", "algbw", "busbw", "#wrong",
-           "algorithm", "predicted", "bound", "t/pred", "t/bound")
 
 
 @dataclass
@@ -703,7 +701,7 @@ def measure(opts, world=None, out=None, err=None, memory=None):
             print(line, file=out)
         for text in notes:
             print(f"# {text}", file=out)
-        print(_table_header(widths), file=out, flush=True)
+        print(table_header(widths), file=out, flush=True)
 
     total = sum(c * dtype.itemsize for c in counts) * len(impls) * (opts.iters + opts.warmup)
     progress = Progress(total, opts.progress) if lead else None
@@ -804,34 +802,6 @@ def _link_fields(meter, impl, model, nbytes):
     return fields
 
 
-LINK_LINES = 10
-"""Links the table shows per size (the busiest); ``--json`` has them all."""
-
-
-def link_lines(rows):
-    """The ``--links`` block under one size's rows: bytes per iteration on the busiest emulated links,
-    for every implementation, and the data ddl's schedule planned there."""
-    measured = [r for r in rows if r.get("link_bytes")]
-    if not measured:
-        return []
-    plan = next((r for r in measured if r.get("link_bytes_planned")), None)
-    names = sorted(measured[0]["link_bytes"], key=lambda k: -max(r["link_bytes"][k] for r in measured))
-    heads = [r["impl"] for r in measured] + ([f"{plan['impl']} plan"] if plan else [])
-    width = max(len(n) for n in names)
-    cols = [max(11, len(h)) for h in heads]
-    planned = "; plan: the data ddl's schedule puts there" if plan else ""
-    lines = [f"# bytes per iteration on the emulated links (tc counters: frames with their headers and TCP's "
-             f"acknowledgements{planned})",
-             "#   " + f"{'link':<{width}}" + "".join(f" {h:>{c}}" for h, c in zip(heads, cols))]
-    for name in names[:LINK_LINES]:
-        cells = [r["link_bytes"][name] for r in measured] + ([plan["link_bytes_planned"][name]] if plan else [])
-        lines.append("#   " + f"{name:<{width}}" +
-                     "".join(f" {format_size(round(b)):>{c}}" for b, c in zip(cells, cols)))
-    if len(names) > LINK_LINES:
-        lines.append(f"#   ... and {len(names) - LINK_LINES} less busy links (--json lists every link)")
-    return lines
-
-
 class Tracing:
     """``--trace``: ddl's timed calls recorded on every rank (:mod:`ddl.trace`), gathered on rank 0 after
     each size, on rank 0's clock, and written there as one Chrome trace. A label is ``(implementation,
@@ -906,29 +876,6 @@ def trace_medians(moments, impl, nbytes):
         out[key] = statistics.median(seen) if seen else None
     out["between"] = mine[0]["between"] if mine else "ranks"
     return out
-
-
-def trace_lines(rows):
-    """The ``--trace`` lines under one size's rows: when, in a median call, each traced implementation's
-    agreement ended, its first and last message between hosts arrived, and the call ended."""
-    lines = []
-    for row in rows:
-        t = row.get("trace")
-        if not t:
-            continue
-        parts = []
-        if t["agreement"] is not None:
-            parts.append(f"agreement done on every rank after {format_seconds(t['agreement'])}")
-        if t["first_message"] is not None:
-            parts.append(f"messages between {t['between']} arrived from {format_seconds(t['first_message'])} "
-                         f"to {format_seconds(t['last_message'])}")
-        else:
-            parts.append(f"no messages between {t['between']}")
-        if t["end"] is not None:
-            parts.append(f"done after {format_seconds(t['end'])}")
-        lines.append(f"# trace {row['impl']}: " + "; ".join(parts) + " (times after the first rank's call, "
-                     "medians over the iterations)")
-    return lines
 
 
 def _load_topology(opts, nranks):
@@ -1033,92 +980,3 @@ def _header(opts, topo, model, nranks, impls, memory):
              "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm"]
     title = f"allreduce {opts.dtype}, {nranks} ranks, " + (topo.name if topo is not None else "flat")
     return {"lines": lines, "title": title}
-
-
-_WIDTHS = (12, 11, 8, 6, 10, 10, 10, 10, 7, 18, 10, 10, 7, 8)
-_LEFT = (4, 9)  # impl and algorithm are left-aligned
-
-
-def widths_for(names):
-    """Column widths: the impl column as wide as the longest implementation name, the algorithm column
-    as the longest algorithm name (the rows come one by one, so every name must fit from the start)."""
-    from .algorithms import ALGORITHMS
-    w = list(_WIDTHS)
-    w[4] = max(w[4], *(len(n) for n in names)) if names else w[4]
-    w[9] = max(w[9], *map(len, ALGORITHMS))
-    return tuple(w)
-
-
-def _line(cells, widths):
-    return " ".join(f"{c:<{w}}" if i in _LEFT else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))
-
-
-def _table_header(widths=_WIDTHS):
-    units = ["(B)", "(elements)", "", "", "", "(median)", "(GB/s)", "(GB/s)", "", "", "", "", "", ""]
-    return "#" + _line(COLUMNS, widths)[1:] + "\n" + ("#" + _line(units, widths)[1:]).rstrip()
-
-
-def _bw(x):
-    return "-" if x is None else f"{x / 1e9:.4g}"
-
-
-def format_row(row, widths=_WIDTHS):
-    """One table line (nccl-tests columns, then ddl's prediction and the bound)."""
-    pred, bound, t = row["predicted_seconds"], row["bound_seconds"], row["seconds"]
-    cells = [str(row["bytes"]), str(row["count"]), row["dtype"].replace("float32", "float"), row["op"],
-             row["impl"], format_seconds(t), _bw(row["algbw"]), _bw(row["busbw"]), str(row["wrong"]),
-             row["algorithm"] if row["impl"].startswith("ddl") else "-",
-             format_seconds(pred) if pred else "-", format_seconds(bound) if bound else "-",
-             f"{t / pred:.2f}" if pred else "-", f"{t / bound:.2f}" if bound else "-"]
-    return _line(cells, widths)
-
-
-def print_summary(rows, out):
-    """nccl-tests' footer, and ddl's speed-up over each peer at each size."""
-    bad = sum(r["wrong"] for r in rows)
-    print(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
-    by_impl = {}
-    for r in rows:
-        if r["busbw"] is not None:
-            by_impl.setdefault(r["impl"], []).append(r["busbw"])
-    if by_impl:
-        print("# avg bus bandwidth (GB/s): " + ", ".join(f"{k} {sum(v) / len(v) / 1e9:.4g}"
-                                                       for k, v in by_impl.items()), file=out)
-    for nbytes in sorted({r["bytes"] for r in rows}):
-        at = {r["impl"]: r for r in rows if r["bytes"] == nbytes}
-        ddl_row = at.get("ddl")
-        peers = [r for r in at.values() if not r["impl"].startswith("ddl")]
-        if ddl_row and peers and ddl_row["seconds"] > 0:
-            ups = ", ".join(f"{p['seconds'] / ddl_row['seconds']:.2f}x {p['impl']}'s speed" for p in peers)
-            print(f"# ddl ({ddl_row['algorithm']}) at {format_size(nbytes)}: {ups}", file=out)
-
-
-def plot(rows, path, title=""):
-    """Bus bandwidth against size, one line per implementation (matplotlib, Agg)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise Error("--plot needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    impls = []
-    for r in rows:
-        if r["impl"] not in impls:
-            impls.append(r["impl"])
-    for name in impls:
-        pts = [(r["bytes"], (r["busbw"] or 0) / 1e9) for r in rows if r["impl"] == name]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise Error(f"--plot {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)

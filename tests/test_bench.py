@@ -313,9 +313,9 @@ def test_plot_targets_are_checked_before_the_run(tmp_path):
 def test_every_algorithm_name_fits_its_column():
     """Rows are printed as they come, so the columns are sized for every name from the start."""
     from ddl.algorithms import ALGORITHMS
-    from ddl.bench import _table_header, format_row, widths_for
+    from ddl.bench_report import format_row, table_header, widths_for
     widths = widths_for(["ddl", "ddl:reduce-broadcast-trees", "mpi"])
-    header = _table_header(widths).splitlines()[0]
+    header = table_header(widths).splitlines()[0]
     for name in ALGORITHMS:
         row = {"bytes": 1 << 20, "count": 1 << 18, "dtype": "float32", "op": "sum", "impl": "ddl", "seconds": 1e-3,
                "algbw": 1e9, "busbw": 1e9, "wrong": 0, "algorithm": name, "predicted_seconds": 1e-3,
@@ -540,7 +540,8 @@ def test_memory_is_checked_for_the_ranks_that_share_a_machine(monkeypatch):
 
 
 def test_links_go_on_to_the_emulated_job_and_their_block_lists_the_busiest_first(topo_file):
-    from ddl.bench import LINK_LINES, link_lines, options
+    from ddl.bench import options
+    from ddl.bench_report import LINK_LINES, link_lines
     from ddl.cli.bench import forward_argv
     assert "--links" in forward_argv(options(topology=topo_file, links=True))
     assert "--links" not in forward_argv(options(topology=topo_file))
