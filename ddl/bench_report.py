@@ -81,6 +81,7 @@ def _line(cells, widths):
 
 
 def table_header(widths=_WIDTHS):
+    """The table's two header lines: the column names, then their units."""
     units = ["(B)", "(elements)", "", "", "", "(median)", "(GB/s)", "(GB/s)", "", "", "", "", "", ""]
     return "#" + _line(COLUMNS, widths)[1:] + "\n" + ("#" + _line(units, widths)[1:]).rstrip()
 
