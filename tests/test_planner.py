@@ -1,4 +1,5 @@
 """The planner's choice: which candidates it builds, and that simulating them in parallel changes nothing."""
+import functools
 import json
 import os
 from pathlib import Path
@@ -51,6 +52,12 @@ def test_simulating_in_parallel_gives_the_serial_plan(monkeypatch):
     assert parallel.verified
 
 
+@functools.cache
+def _exhaustive_plan(name):
+    """The plan that runs every candidate to its end (shared by both worker counts below)."""
+    return _planner(name).plan("allreduce", 256 << 20, exhaustive=True)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("name", ["fat-tree-4x4-r8", "emulated-2rack-interleaved", "dgx-a100"])
 def test_stopping_losers_early_changes_no_choice(name, workers, monkeypatch):
@@ -58,7 +65,7 @@ def test_stopping_losers_early_changes_no_choice(name, workers, monkeypatch):
     # choice and its prediction are the exhaustive plan's, and every reported "at least" is a true
     # lower bound of the full simulation, above the chosen time
     monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
-    full = _planner(name).plan("allreduce", 256 << 20, exhaustive=True)
+    full = _exhaustive_plan(name)
     plan = _planner(name, workers=workers).plan("allreduce", 256 << 20)
     assert (plan.algorithm, plan.predicted_seconds, plan.busiest) == (full.algorithm, full.predicted_seconds, full.busiest)
     assert plan.verified

@@ -54,6 +54,16 @@ def test_highs_prints_nothing(capfd):
     assert capfd.readouterr().out == ""
 
 
+def test_the_largest_search_verifies_every_collective():
+    """At MAX_RANKS ranks (the search above, cached) every collective's schedule passes the verifier;
+    tests/test_algorithms.py checks 4 to 8 ranks."""
+    topo = ring_beside_pairs(MAX_RANKS)
+    for collective in COLLECTIVES:
+        sched = ALGORITHMS["ring-packing"](topo, collective, root=5, nbytes=N)
+        assert sched.algorithm == "ring-packing" and sched.nranks == MAX_RANKS
+        verify(sched)
+
+
 def test_every_collective_verifies_and_routes_fit_the_links():
     topo = zoo("dgx1-v100")
     for collective in COLLECTIVES:
