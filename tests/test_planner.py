@@ -159,17 +159,17 @@ def test_nothing_to_move_has_a_zero_bound_and_is_not_cached(capsys, tmp_path, mo
 
 def test_plan_text_and_json_show_what_was_stopped_early(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
-    topo = str(ZOO / "fat-tree-4x4-r8.yaml")
-    assert main(["plan", topo, "--workers", "1"]) == 0
+    args = ["plan", str(ZOO / "fat-tree-4x4-r8.yaml"), "--workers", "1", "--bytes", "16MiB"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert "vs ring" in out and "stopped once it could not win" in out
     why = next(line for line in out.splitlines() if line.startswith("why"))
     assert "next best run to its end" in why and "stopped once" in why
-    assert main(["plan", topo, "--workers", "1", "--json"]) == 0
+    assert main(args + ["--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["outpaced"] and set(record["outpaced"]).isdisjoint(record["baselines"])
     # the comparison table runs every candidate to its end
-    assert main(["plan", topo, "--workers", "1", "--json", "--compare"]) == 0
+    assert main(args + ["--json", "--compare"]) == 0
     [record] = json.loads(capsys.readouterr().out)
     assert record["outpaced"] == {} and "ring" in record["baselines"]
 
