@@ -201,13 +201,13 @@ def test_plan_timeline_shows_how_busy_the_busiest_links_are(capsys, tmp_path, mo
     the NVLinks of the A100 pair, the busiest, are full from the start and drain at the end (32 MiB:
     a size whose plan takes a third less time than the default's)."""
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
-    topo = str(ZOO / "dgx-a100-2x8.yaml")
-    assert main(["plan", topo, "--workers", "1", "--bytes", "32MiB", "--timeline"]) == 0
+    args = ["plan", str(ZOO / "dgx-a100-2x8.yaml"), "--workers", "1", "--bytes", "32MiB", "--timeline"]
+    assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     at = out.index(next(line for line in out if line.startswith("busiest links")))
     strips = [line.strip() for line in out[at + 1:] if line.strip().startswith("|")]
     assert len(strips) == 5 and all(s[61] == "|" and "idle" in s[62:] for s in strips)
-    assert main(["plan", topo, "--workers", "1", "--bytes", "32MiB", "--json", "--timeline"]) == 0
+    assert main(args + ["--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     busiest = record["busiest_links"]
     for link in busiest:
