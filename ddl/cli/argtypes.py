@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -24,13 +25,17 @@ def _world_rank():
     return MPI.COMM_WORLD.rank
 
 
+EXIT_WAIT = 10.0      # seconds a rank leaving on a shared mistake waits for the others at most
+
+
 class MPIParser(argparse.ArgumentParser):
     """Every rank reads the same arguments: a mistake in them is said once, by rank 0."""
 
     def error(self, message):
-        if _world_rank():
-            self.exit(2)
-        super().error(message)
+        if _world_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        _exit_together(2)
 
 
 def fail(message):
@@ -38,7 +43,19 @@ def fail(message):
     ranks): one line on stderr from rank 0, exit status 2 on every rank, no traceback."""
     if _world_rank() == 0:
         print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    _exit_together(2)
+
+
+def _exit_together(status):
+    """Leave once every rank is here, so once rank 0 has said why. Under ``python -m mpi4py`` the first
+    rank to exit with a non-zero status aborts the job, which could end rank 0 before its message is
+    out. Bounded: a rank that never comes is waited for ``EXIT_WAIT`` seconds."""
+    from mpi4py import MPI
+    request = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + EXIT_WAIT
+    while not request.Test() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    raise SystemExit(status)
 
 
 def reported(parse):
