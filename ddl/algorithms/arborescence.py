@@ -508,9 +508,7 @@ def rank_symmetries(graph, ranks):
             vs = ranks[s]
             if hashes[ident[vs]][-1] != hashes[ident[vr]][-1]:
                 continue
-            h1, h2 = h.copy(), h.copy()
-            h1.nodes[ident[vs]]["lab"] = "*"
-            h2.nodes[ident[vr]]["lab"] = "*"
+            h1, h2 = _starred(h, ident[vs]), _starred(h, ident[vr])
             budget = [VF2_BUDGET]
 
             def node_match(a, b):
@@ -532,6 +530,24 @@ def rank_symmetries(graph, ranks):
             out[r] = (r, None)
         else:
             out[r] = found
+    return out
+
+
+def _starred(h, start):
+    """``h`` with ``start`` labelled ``*`` and its vertices in breadth-first order from ``start``
+    (neighbours by id). VF2 extends a match in the order of the graph's vertices: from the pinned
+    vertex outwards it meets every vertex beside one already matched. In id order it could begin at
+    a switch that many look-alike vertices hang from (a fabric named 'core' sorts first) and try
+    their orders one by one, which took minutes on a few DGX boxes and ran out of budget."""
+    import networkx as nx
+
+    undirected = h.to_undirected(as_view=True)
+    order = [start] + [v for _, v in nx.bfs_edges(undirected, start, sort_neighbors=sorted)]
+    order += sorted(set(h) - set(order))
+    out = nx.DiGraph()
+    out.add_nodes_from((v, dict(h.nodes[v])) for v in order)
+    out.add_edges_from(h.edges(data=True))
+    out.nodes[start]["lab"] = "*"
     return out
 
 
