@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 import reprlib
 from collections import namedtuple
 
@@ -46,6 +47,7 @@ TIER_KEYS = ("name", "count", "bandwidth", "latency", "kind")
 # first; the first tier's kind may be overridden by its `kind` key.
 _TIER_CHILD = (("gpu", "gpu"), ("h", "host"), ("r", "switch"))
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_NVIDIA_SMI_ROW = re.compile(r"^GPU0[ \t]+X[ \t]", re.M)   # the first row of `nvidia-smi topo -m`
 
 
 class Link(namedtuple("Link", "a b bandwidth latency count directed")):
@@ -90,6 +92,10 @@ def read(path):
     except OSError as exc:
         raise TopologyError(f"cannot read the file ({exc.strerror}); check its permissions",
                             source) from None
+    if _NVIDIA_SMI_ROW.search(text):
+        raise TopologyError("this is the output of `nvidia-smi topo -m`, not a topology file: make one from it "
+                            "with `ddl topo import FILE --gpu a100 -o cluster.yaml` (README, \"From nvidia-smi\")",
+                            source)
     data = _parse_json(text, source) if source.lower().endswith(".json") else _parse_yaml(text, source)
     if data is None:
         raise TopologyError("the file is empty; a topology needs name, nodes, links and ranks "
@@ -239,7 +245,8 @@ def parse(data, source=None):
     ``source`` names the file in error messages (``<dict>`` when None)."""
     where = source or "<dict>"
     if not isinstance(data, dict):
-        other = (" (NCCL topology XML and nvidia-smi output are not read: write the YAML or JSON form)"
+        other = (" (NCCL topology XML is not read: write the YAML or JSON form; `ddl topo import` reads "
+                 "`nvidia-smi topo -m`)"
                  if isinstance(data, str) else "")
         _fail(where, None, f"the top level must be a mapping with name, nodes, links and ranks "
                            f"(or name and tiers), not {_a(data)}{other}")

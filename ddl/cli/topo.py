@@ -8,6 +8,8 @@
 * ``ddl topo draw FILE -o out.png`` draws the fabric in layers: ranks at the bottom, then every vertex
   at its hop distance from the ranks (PCIe switches, hosts, NICs, leaf switches, spines); link width
   grows with the logarithm of the bandwidth and colour encodes it too.
+* ``ddl topo import MATRIX -o cluster.yaml`` writes a topology file from one node's ``nvidia-smi topo
+  -m`` (:mod:`ddl.nvidia_smi`), for as many such nodes as ``--hosts`` says.
 """
 import math
 import os
@@ -15,9 +17,11 @@ import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 
 from .. import bounds
+from .. import nvidia_smi
 from ..errors import Error
 from ..units import format_bandwidth
 from . import check_output_file
+from .argtypes import at_least, list_of, reported
 
 KIND_STYLE = OrderedDict([
     # kind: (face colour, marker)
@@ -62,6 +66,43 @@ def register(subparsers):
                    help="image to write (default: FILE's name with .png, in the current directory)")
     p.add_argument("--dpi", type=int, default=120, help=f"resolution of raster images (default 120, at most {MAX_DPI})")
     p.set_defaults(func=cmd_draw)
+
+    p = sub.add_parser("import", help="make a topology file from `nvidia-smi topo -m`",
+                       description="Write a topology file for HOSTS machines like the one whose "
+                                   "`nvidia-smi topo -m` is in MATRIX: its GPUs (the ranks), their "
+                                   "NVLinks or NVSwitch, the PCIe switches and NUMA nodes the matrix "
+                                   "implies, and with --nic-bandwidth its NICs, joined across hosts by "
+                                   "one switch. The matrix gives no speeds: --gpu gives NVLink's and "
+                                   "PCIe's, and the file's header says what was assumed.")
+    p.add_argument("matrix", metavar="MATRIX",
+                   help="a file holding `nvidia-smi topo -m` of one node ('-': read standard input)")
+    p.add_argument("-o", "--output", metavar="OUT.yaml", help="file to write (default: standard output)")
+    p.add_argument("--name", help="the topology's name (default: OUT's or MATRIX's file name)")
+    p.add_argument("--gpu", choices=tuple(nvidia_smi.GPU_PRESETS),
+                   help="the GPUs' generation, for NVLink's rate per link and PCIe's: "
+                        + "; ".join(f"{k}: {v.what}" for k, v in nvidia_smi.GPU_PRESETS.items()))
+    p.add_argument("--nvlink", type=_rate("--nvlink"), metavar="BW",
+                   help="NVLink rate per link per direction (instead of --gpu's)")
+    p.add_argument("--pcie", type=_rate("--pcie"), metavar="BW",
+                   help="PCIe rate per direction of a GPU's slot and of a switch's uplink (instead of --gpu's)")
+    p.add_argument("--cpu-link", type=_rate("--cpu-link"), default=nvidia_smi.DEFAULT_CPU_LINK,
+                   metavar="BW", help="rate between NUMA nodes (QPI, UPI, xGMI; default 38.4 GB/s)")
+    p.add_argument("--hosts", type=at_least(1), default=1, metavar="N",
+                   help="how many machines like this one the job runs on (default 1)")
+    p.add_argument("--nic-bandwidth", type=_rate("--nic-bandwidth"), metavar="BW",
+                   help="the NICs' rate (e.g. 200Gbit/s); puts them in the file, needed with --hosts")
+    p.add_argument("--nics", type=list_of(str), metavar="LIST",
+                   help="the NICs that carry the job, by legend or column name (mlx5_0,mlx5_1; default all)")
+    p.add_argument("--gpus", type=list_of(int), metavar="LIST",
+                   help="the GPUs that are ranks, by index (0,1,4,5; default all)")
+    p.add_argument("--nvswitch", choices=("auto", "yes", "no"), default="auto",
+                   help="whether the GPUs' NVLinks go through NVSwitches (auto: when every pair shows "
+                        "the same NV# and more links than a GPU has)")
+    p.set_defaults(func=cmd_import)
+
+
+def _rate(option):
+    return reported(lambda text: nvidia_smi.parse_rate(text, option))
 
 
 def _no_subcommand(parser):
@@ -593,4 +634,36 @@ def cmd_draw(args):
     except ValueError as exc:  # unknown image format from matplotlib
         raise Error(f"{output}: {exc}") from None
     print(f"wrote {output}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# import
+
+
+def cmd_import(args):
+    import yaml
+
+    from ..topology import Topology
+
+    if args.output is not None:
+        check_output_file("-o", args.output, "cluster.yaml")
+    source = "<stdin>" if args.matrix == "-" else args.matrix
+    try:
+        text = sys.stdin.read() if args.matrix == "-" else open(args.matrix, encoding="utf-8").read()
+    except UnicodeDecodeError:
+        raise Error(f"{source}: not text; save the output of `nvidia-smi topo -m` to a file") from None
+    name = args.name or os.path.splitext(os.path.basename(args.output or source))[0].strip("<>")
+    matrix = nvidia_smi.read_matrix(text, source)
+    out = nvidia_smi.topology(matrix, name, gpu=args.gpu, nvlink=args.nvlink, pcie=args.pcie,
+                              cpu_link=args.cpu_link, hosts=args.hosts, nic_bandwidth=args.nic_bandwidth,
+                              nics=args.nics, gpus=args.gpus, nvswitch=args.nvswitch)
+    topo = Topology.from_dict(yaml.safe_load(out), source=args.output or "<output>")
+    if args.output is None:
+        sys.stdout.write(out)
+        return 0
+    from ..schedule import write_file
+    write_file(args.output, out)
+    print(f"{args.output}: {_plural(topo.nranks, 'rank')} on {_plural(len(topo.hosts), 'host')}; see it "
+          f"with `ddl topo show {args.output}`", file=sys.stderr)
     return 0
