@@ -39,7 +39,8 @@ MAX_DPI = 1200             # ddl topo draw --dpi: beyond this a raster image of 
 def register(subparsers):
     parser = subparsers.add_parser(
         "topo", help="validate, show and draw topology files",
-        description="Validate, inspect and draw topology files (YAML or JSON; see topologies/).")
+        description="Validate, inspect and draw topology files (YAML or JSON; see topologies/), or make "
+                    "one from `nvidia-smi topo -m`.")
     sub = parser.add_subparsers(dest="topo_command", metavar="SUBCOMMAND")
     parser.set_defaults(func=lambda args: _no_subcommand(parser))
 
@@ -86,7 +87,7 @@ def register(subparsers):
     p.add_argument("--pcie", type=_rate("--pcie"), metavar="BW",
                    help="PCIe rate per direction of a GPU's slot and of a switch's uplink (instead of --gpu's)")
     p.add_argument("--cpu-link", type=_rate("--cpu-link"), default=nvidia_smi.DEFAULT_CPU_LINK,
-                   metavar="BW", help="rate between NUMA nodes (QPI, UPI, xGMI; default 38.4 GB/s)")
+                   metavar="BW", help="each NUMA node's link to the others (QPI, UPI, xGMI; default 38.4 GB/s)")
     p.add_argument("--hosts", type=at_least(1), default=1, metavar="N",
                    help="how many machines like this one the job runs on (default 1)")
     p.add_argument("--nic-bandwidth", type=_rate("--nic-bandwidth"), metavar="BW",
