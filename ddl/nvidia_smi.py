@@ -17,14 +17,13 @@ more links than one GPU has in all (at most 18), is an NVSwitch system: one ``nv
 with # links per GPU, as the zoo's DGX files model it.
 """
 import re
-import textwrap
 from collections import namedtuple
 
 import networkx as nx
 
 from .errors import TopologyError
-from .topology_file import bandwidth_text
-from .units import format_bandwidth, parse_bandwidth
+from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, network_assumptions, pick
+from .units import format_bandwidth
 
 # PCIe path kinds, shortest first; SOC is what drivers before 2017 called SYS.
 PATH_LEVELS = {"PIX": 1, "PXB": 2, "PHB": 3, "NODE": 4, "SYS": 5, "SOC": 5}
@@ -40,8 +39,6 @@ GPU_PRESETS = {
     "h100": Preset(25e9, 50e9, "NVLink 4.0 25 GB/s per link, PCIe Gen5 x16 50 GB/s"),
     "b200": Preset(50e9, 50e9, "NVLink 5.0 50 GB/s per link, PCIe Gen5 x16 50 GB/s"),
 }
-DEFAULT_CPU_LINK = 38.4e9       # two QPI links of 19.2 GB/s (Xeon E5 v4, as in dgx1-v100.yaml)
-FABRIC_LATENCY = "2 us"         # one switch hop of InfiniBand class
 
 Matrix = namedtuple("Matrix", "devices paths numa cpus names source")
 Matrix.__doc__ = """One machine's ``nvidia-smi topo -m``.
@@ -128,39 +125,33 @@ def topology(matrix, name, gpu=None, nvlink=None, pcie=None, cpu_link=DEFAULT_CP
     if hosts > 1 and nic_bandwidth is None:
         raise TopologyError(f"{hosts} hosts are joined through their NICs: say how fast they are with "
                             f"--nic-bandwidth (e.g. 200Gbit/s)", source)
-    ranks = _pick(all_gpus, gpus, {int(d[3:]): d for d in all_gpus}, "GPU", "--gpus", source,
-                  [d[3:] for d in all_gpus])
+    ranks = pick(all_gpus, gpus, {int(d[3:]): d for d in all_gpus}, "GPU", "--gpus", source,
+                 [d[3:] for d in all_gpus])
     all_nics = [d for d in matrix.devices if not _is_gpu(d)]
     by_name = {**{d: d for d in all_nics}, **{matrix.names.get(d, d): d for d in all_nics}}
-    chosen_nics = _pick(all_nics, nics, by_name, "NIC", "--nics", source,
-                        [_nic_name(matrix, d) for d in all_nics]) if nic_bandwidth else []
-    if hosts > 1 and not chosen_nics:
-        raise TopologyError("the matrix lists no NIC to join the hosts by; run nvidia-smi on a node "
-                            "with its network cards installed", source)
+    chosen_nics = pick(all_nics, nics, by_name, "NIC", "--nics", source,
+                       [_nic_name(matrix, d) for d in all_nics]) if nic_bandwidth else []
+    check_hosts(hosts, chosen_nics, source, "the matrix lists none; run nvidia-smi on a node with its "
+                                            "network cards installed")
     switched = _nvswitch(matrix, all_gpus, nvswitch)
     b = _Builder(matrix, hosts, pcie, nic_bandwidth)
     b.place(ranks + chosen_nics)
     b.nvlinks(ranks, nvlink, switched)
     b.sockets(cpu_link)
-    data = {"name": name, "defaults": {"latency": "1 us"}, "nodes": b.nodes, "links": b.links}
-    if hosts > 1:
-        data["nodes"].append({"id": "fabric", "kind": "switch"})
-        data["links"].extend(_per_host({"a": b.vid(n), "b": "fabric", "bandwidth": bandwidth_text(nic_bandwidth),
-                                       "latency": FABRIC_LATENCY}, hosts) for n in chosen_nics)
-    data["ranks"] = [_per_host({"id": "h{h}/gpu{g}"}, hosts, g=[int(g[3:]) for g in ranks])]
+    nic_rates = [(b.vid(n), nic_bandwidth) for n in chosen_nics]
     assumed = [f"NVLink {format_bandwidth(nvlink)} per link" if shown else None,
                f"PCIe {format_bandwidth(pcie)}" + (f" ({preset.what})" if preset else ""),
                f"each NUMA node to the others {format_bandwidth(cpu_link)} (--cpu-link)" if len(b.cpus) > 1
-               else None,
-               f"NICs {format_bandwidth(nic_bandwidth)} (--nic-bandwidth), each on its PCIe switch at that rate"
-               if chosen_nics else None,
-               f"{hosts} hosts on one non-blocking switch `fabric` ({FABRIC_LATENCY})" if hosts > 1 else None]
+               else None] + network_assumptions(hosts, nic_rates, True)
     found = ", ".join(part for part in (
         f"{len(ranks)} of {len(all_gpus)} GPUs as ranks",
         f"{'NVSwitch' if switched else 'NVLink'} between them" if shown else None,
         f"{len(b.cpus)} NUMA node{'s' if len(b.cpus) != 1 else ''}", f"{len(b.switches)} PCIe switches",
         f"NICs {', '.join(matrix.names.get(n, n) for n in chosen_nics)}" if chosen_nics else None) if part)
-    return _header(source, found, [a for a in assumed if a]) + _yaml(data)
+    read = ("matrix: which GPUs are NVLinked and by how many links, which devices share a PCIe switch (PIX), a "
+            "tree of switches (PXB) or a NUMA node (PHB, NODE)")
+    return b.text(name, [int(g[3:]) for g in ranks], nic_rates,
+                  header(source, "nvidia-smi topo -m", found, read, [a for a in assumed if a]))
 
 
 def _rates(gpu, nvlink, pcie, shown, source):
@@ -179,17 +170,6 @@ def _rates(gpu, nvlink, pcie, shown, source):
                             " and ".join(f"--{what.lower()} 25GB/s" for what in unknown), source)
     return preset, nvlink, pcie
 
-
-def _pick(items, wanted, by_name, what, option, source, listed):
-    """The items that ``wanted`` names (keys of ``by_name``), in matrix order; all when None."""
-    if wanted is None:
-        return list(items)
-    unknown = [w for w in wanted if w not in by_name]
-    if unknown:
-        raise TopologyError(f"{option}: the matrix has no {what} {', '.join(map(str, unknown))}; it lists "
-                            f"{', '.join(listed) or 'none'}", source)
-    chosen = {by_name[w] for w in wanted}
-    return [d for d in items if d in chosen]
 
 
 def _nic_name(matrix, device):
@@ -210,28 +190,17 @@ def _nvswitch(matrix, gpus, mode):
     return links if mode == "yes" or links * (len(gpus) - 1) > MAX_NVLINKS_PER_GPU else 0
 
 
-class _Builder:
-    """Vertices and links of one host, each written once as a ``for: {h: hosts}`` template."""
+class _Builder(NodeWriter):
+    """The machine the matrix implies: its devices in PCIe trees under their NUMA nodes."""
 
     def __init__(self, matrix, hosts, pcie, nic_bandwidth):
-        self.matrix, self.hosts, self.pcie, self.nic_bandwidth = matrix, hosts, pcie, nic_bandwidth
-        self.nodes, self.links, self.switches, self.cpus = [], [], [], []
-        self.node("h{h}", "host")
+        super().__init__(hosts)
+        self.matrix, self.pcie, self.nic_bandwidth = matrix, pcie, nic_bandwidth
 
     def vid(self, device):
         """A device's vertex id: ``h{h}/gpu3``, or the NIC's legend name (``h{h}/mlx5_0``)."""
         return f"h{{h}}/gpu{device[3:]}" if _is_gpu(device) else \
             f"h{{h}}/{self.matrix.names.get(device, device).lower()}"
-
-    def node(self, vertex, kind):
-        self.nodes.append(_per_host({"id": vertex, "kind": kind}, self.hosts))
-        return vertex
-
-    def link(self, a, b, bandwidth, count=1):
-        entry = {"a": a, "b": b, "bandwidth": bandwidth_text(bandwidth)}
-        if count != 1:
-            entry["count"] = count
-        self.links.append(_per_host(entry, self.hosts))
 
     def place(self, devices):
         """Put ``devices`` in the PCIe tree of their NUMA node: switches, trees of switches, CPUs."""
@@ -244,30 +213,18 @@ class _Builder:
             numa = {self.matrix.numa.get(d) for d in socket} - {None}
             cpu = self.node(f"h{{h}}/numa{numa.pop()}" if len(numa) == 1 else f"h{{h}}/cpu{len(self.cpus)}",
                             "cpu")
-            self.cpus.append(cpu)
             for tree in _groups(self.matrix, socket, _PXB):
                 self._tree(cpu, _groups(self.matrix, tree, _PIX), keep)
 
     def nvlinks(self, gpus, rate, switched):
         """Each pair's NV# links, or ``switched`` links from every GPU into one NVSwitch."""
         if switched:
-            hub = self.node("h{h}/nvswitch", "switch")
-            for g in gpus:
-                self.link(self.vid(g), hub, rate, count=switched)
+            self.nvswitch([self.vid(g) for g in gpus], rate, {self.vid(g): switched for g in gpus})
             return
         for i, g in enumerate(gpus):
             for h in gpus[i + 1:]:
                 if _nvlinks(self.matrix.paths[g, h]):
                     self.link(self.vid(g), self.vid(h), rate, count=_nvlinks(self.matrix.paths[g, h]))
-
-    def sockets(self, rate):
-        """Every NUMA node's link to the others: one link between two, a switch among more."""
-        if len(self.cpus) == 2:
-            self.link(*self.cpus, rate)
-        elif len(self.cpus) > 2:
-            hub = self.node("h{h}/smp", "switch")
-            for c in self.cpus:
-                self.link(c, hub, rate)
 
     def _tree(self, cpu, switches, keep):
         """One root port's devices; ``switches`` are its groups that share one PCIe switch.
@@ -281,28 +238,14 @@ class _Builder:
             self.link(self.vid(switches[0][0]), cpu, self._rate(switches[0][0]))
         elif switches:
             root = max(switches, key=len)
-            top = self._switch(cpu)
+            top = self.switch(cpu, self.pcie)
             for group in switches:
-                below = top if group is root or len(group) == 1 else self._switch(top)
+                below = top if group is root or len(group) == 1 else self.switch(top, self.pcie)
                 for d in group:
                     self.link(self.vid(d), below, self._rate(d))
 
     def _rate(self, device):
         return self.pcie if _is_gpu(device) else self.nic_bandwidth
-
-    def _switch(self, above):
-        vertex = self.node(f"h{{h}}/pcie{len(self.switches)}", "pcie")
-        self.switches.append(vertex)
-        self.link(vertex, above, self.pcie)
-        return vertex
-
-
-def _per_host(entry, hosts, **loops):
-    """``entry`` repeated on every host (``for: {h: hosts}``); on one host, written out for host 0."""
-    if hosts == 1:
-        entry = {k: v.replace("{h}", "0") if isinstance(v, str) else v for k, v in entry.items()}
-        return {**entry, "for": loops} if loops else entry
-    return {**entry, "for": {"h": hosts, **loops}}
 
 
 def _groups(matrix, devices, level, same_socket=False):
@@ -319,39 +262,3 @@ def _groups(matrix, devices, level, same_socket=False):
     order = {d: k for k, d in enumerate(matrix.devices)}
     groups = [sorted(c, key=order.get) for c in nx.connected_components(graph)]
     return sorted(groups, key=lambda g: order[g[0]])
-
-
-def _header(source, found, assumed):
-    lines = [f"Made by `ddl topo import` from {source} (nvidia-smi topo -m): {found}.",
-             "From the matrix: which GPUs are NVLinked and by how many links, which devices share a PCIe "
-             "switch (PIX), a tree of switches (PXB) or a NUMA node (PHB, NODE).",
-             "Assumed (edit here, or import again with other options): " + "; ".join(assumed) + ".",
-             "Simplified: PCIe switches are non-blocking; GPUs never forward (routes between GPUs without "
-             "an NVLink go over PCIe and the CPUs).",
-             "The host nodes h0, h1, ... only group the ranks (ids h0/...)."]
-    return "".join(textwrap.fill(line, 100, initial_indent="# ", subsequent_indent="#   ") + "\n"
-                   for line in lines)
-
-
-def _yaml(data):
-    """The file's body: top-level keys in block style, every entry on one line in flow style."""
-    import yaml
-    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-    parts = []
-    for key, value in data.items():
-        if isinstance(value, list):
-            parts.append(f"{key}:\n" + "".join(
-                "  - " + yaml.dump(item, Dumper=dumper, default_flow_style=True, sort_keys=False, width=1000)
-                for item in value))
-        else:
-            parts.append(yaml.dump({key: value}, Dumper=dumper, sort_keys=False, width=1000,
-                                   default_flow_style=None if isinstance(value, dict) else False))
-    return "".join(parts)
-
-
-def parse_rate(text, option):
-    """A positive bandwidth given on the command line (``25GB/s``, ``200Gbit/s``)."""
-    value = parse_bandwidth(text)
-    if not value > 0:
-        raise ValueError(f"{option} must be a positive bandwidth such as 25GB/s, got {text!r}")
-    return value

@@ -146,7 +146,7 @@ def test_a_damaged_matrix_is_named(edit, words):
     ({}, ["how fast NVLink and PCIe are", "--gpu"]),
     ({"nvlink": 25 * GB}, ["how fast PCIe is", "--pcie 25GB/s"]),
     ({"gpu": "a100", "hosts": 2}, ["2 hosts", "--nic-bandwidth"]),
-    ({"gpu": "a100", "gpus": [0, 8]}, ["--gpus: the matrix has no GPU 8", "0, 1, 2"]),
+    ({"gpu": "a100", "gpus": [0, 8]}, ["--gpus: the machine has no GPU 8", "0, 1, 2"]),
     ({"gpu": "a100", "nic_bandwidth": GB, "nics": ["mlx5_0", "eth0"]}, ["no NIC eth0", "NIC4 (mlx5_4)"]),
     ({"gpu": "x100"}, ["unknown GPU 'x100'", "h100"]),
     ({"gpu": "a100", "nvswitch": "yes", "gpus": [0, 1]}, []),      # every pair shows NV12: allowed
@@ -169,7 +169,7 @@ def test_nvswitch_needs_uniform_links():
 def test_a_host_without_nics_cannot_be_joined():
     text = "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tPHB\t0-7\nGPU1\tPHB\t X \t0-7\n"
     m = nvidia_smi.read_matrix(text, "ws")
-    with pytest.raises(TopologyError, match="no NIC to join the hosts"):
+    with pytest.raises(TopologyError, match="the matrix lists none"):
         nvidia_smi.topology(m, "ws", gpu="a100", hosts=2, nic_bandwidth=GB)
     one = Topology.from_dict(yaml.safe_load(nvidia_smi.topology(m, "ws", gpu="a100")))
     assert edges(one) == {("h0/cpu0", "h0/gpu0", 25), ("h0/cpu0", "h0/gpu1", 25)}

@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict, defaultdict, deque
 
 from .. import bounds
 from .. import nvidia_smi
+from ..node_import import DEFAULT_CPU_LINK, parse_rate
 from ..errors import Error
 from ..units import format_bandwidth
 from . import check_output_file
@@ -86,7 +87,7 @@ def register(subparsers):
                    help="NVLink rate per link per direction (instead of --gpu's)")
     p.add_argument("--pcie", type=_rate("--pcie"), metavar="BW",
                    help="PCIe rate per direction of a GPU's slot and of a switch's uplink (instead of --gpu's)")
-    p.add_argument("--cpu-link", type=_rate("--cpu-link"), default=nvidia_smi.DEFAULT_CPU_LINK,
+    p.add_argument("--cpu-link", type=_rate("--cpu-link"), default=DEFAULT_CPU_LINK,
                    metavar="BW", help="each NUMA node's link to the others (QPI, UPI, xGMI; default 38.4 GB/s)")
     p.add_argument("--hosts", type=at_least(1), default=1, metavar="N",
                    help="how many machines like this one the job runs on (default 1)")
@@ -103,7 +104,7 @@ def register(subparsers):
 
 
 def _rate(option):
-    return reported(lambda text: nvidia_smi.parse_rate(text, option))
+    return reported(lambda text: parse_rate(text, option))
 
 
 def _no_subcommand(parser):
