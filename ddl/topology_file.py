@@ -94,8 +94,11 @@ def read(path):
                             source) from None
     if _NVIDIA_SMI_ROW.search(text):
         raise TopologyError("this is the output of `nvidia-smi topo -m`, not a topology file: make one from it "
-                            "with `ddl topo import FILE --gpu a100 -o cluster.yaml` (README, \"From nvidia-smi\")",
-                            source)
+                            "with `ddl topo import FILE --gpu a100 -o cluster.yaml` (README, \"From nvidia-smi "
+                            "or NCCL\")", source)
+    if text.lstrip().startswith("<system"):
+        raise TopologyError("this is NCCL's topology XML, not a topology file: make one from it with `ddl topo "
+                            "import FILE -o cluster.yaml` (README, \"From nvidia-smi or NCCL\")", source)
     data = _parse_json(text, source) if source.lower().endswith(".json") else _parse_yaml(text, source)
     if data is None:
         raise TopologyError("the file is empty; a topology needs name, nodes, links and ranks "
@@ -245,8 +248,7 @@ def parse(data, source=None):
     ``source`` names the file in error messages (``<dict>`` when None)."""
     where = source or "<dict>"
     if not isinstance(data, dict):
-        other = (" (NCCL topology XML is not read: write the YAML or JSON form; `ddl topo import` reads "
-                 "`nvidia-smi topo -m`)"
+        other = (" (`ddl topo import` makes one from `nvidia-smi topo -m` or NCCL's topology XML)"
                  if isinstance(data, str) else "")
         _fail(where, None, f"the top level must be a mapping with name, nodes, links and ranks "
                            f"(or name and tiers), not {_a(data)}{other}")

@@ -676,6 +676,12 @@ def test_wrong_values_are_shown_short_and_built_short(tmp_path):
     assert time.perf_counter() - start < 5 and len(str(info.value)) < 250
     xml = tmp_path / "nccl.xml"
     xml.write_text('<system version="1">\n' + '  <cpu numaid="0" affinity="ff" arch="x86_64">\n' * 200 + "</system>\n")
-    with pytest.raises(TopologyError, match="NCCL topology XML is not read") as info:
+    with pytest.raises(TopologyError, match="this is NCCL's topology XML, not a topology file: make one from it "
+                                            "with `ddl topo import") as info:
         Topology.load(xml)
     assert len(str(info.value)) < 400
+    graphs = tmp_path / "graph.xml"      # NCCL_GRAPH_DUMP_FILE's rings and trees: read as a YAML string
+    graphs.write_text('<graphs version="1">\n' + '  <graph id="0" pattern="4" crossnic="0" nchannels="2">\n' * 200)
+    with pytest.raises(TopologyError, match="the top level must be a mapping") as info:
+        Topology.load(graphs)
+    assert len(str(info.value)) < 400 and "ddl topo import" in str(info.value)

@@ -1,4 +1,4 @@
-"""``ddl topo``: validate, show and draw topology files.
+"""``ddl topo``: validate, show, draw and import topology files.
 
 * ``ddl topo validate FILE...`` loads every file; one ``FILE: ok (N ranks, M hosts)`` line per good file
   on stdout, one line per bad file on stderr, exit status 2 when any file is bad.
@@ -8,8 +8,9 @@
 * ``ddl topo draw FILE -o out.png`` draws the fabric in layers: ranks at the bottom, then every vertex
   at its hop distance from the ranks (PCIe switches, hosts, NICs, leaf switches, spines); link width
   grows with the logarithm of the bandwidth and colour encodes it too.
-* ``ddl topo import MATRIX -o cluster.yaml`` writes a topology file from one node's ``nvidia-smi topo
-  -m`` (:mod:`ddl.nvidia_smi`), for as many such nodes as ``--hosts`` says.
+* ``ddl topo import FILE -o cluster.yaml`` writes a topology file from one node's ``nvidia-smi topo
+  -m`` (:mod:`ddl.nvidia_smi`) or NCCL's topology XML (:mod:`ddl.nccl_xml`), for as many such nodes
+  as ``--hosts`` says.
 """
 import math
 import os
@@ -69,37 +70,40 @@ def register(subparsers):
     p.add_argument("--dpi", type=int, default=120, help=f"resolution of raster images (default 120, at most {MAX_DPI})")
     p.set_defaults(func=cmd_draw)
 
-    p = sub.add_parser("import", help="make a topology file from `nvidia-smi topo -m`",
-                       description="Write a topology file for HOSTS machines like the one whose "
-                                   "`nvidia-smi topo -m` is in MATRIX: its GPUs (the ranks), their "
-                                   "NVLinks or NVSwitch, the PCIe switches and NUMA nodes the matrix "
-                                   "implies, and with --nic-bandwidth its NICs, joined across hosts by "
-                                   "one switch. The matrix gives no speeds: --gpu gives NVLink's and "
-                                   "PCIe's, and the file's header says what was assumed.")
-    p.add_argument("matrix", metavar="MATRIX",
-                   help="a file holding `nvidia-smi topo -m` of one node ('-': read standard input)")
+    p = sub.add_parser("import", help="make a topology file from `nvidia-smi topo -m` or NCCL's topology XML",
+                       description="Write a topology file for HOSTS machines like the one that FILE "
+                                   "describes, from `nvidia-smi topo -m` or from the XML that NCCL writes "
+                                   "to NCCL_TOPO_DUMP_FILE: its GPUs (the ranks), their NVLinks or "
+                                   "NVSwitch, its PCIe switches and NUMA nodes, its NICs, the hosts' NICs "
+                                   "joined by one switch. nvidia-smi gives no speeds: --gpu gives NVLink's "
+                                   "and PCIe's, --nic-bandwidth the NICs'. The file's header says what was "
+                                   "read and what assumed.")
+    p.add_argument("matrix", metavar="FILE",
+                   help="one node's `nvidia-smi topo -m`, or NCCL's topology XML ('-': read standard input)")
     p.add_argument("-o", "--output", metavar="OUT.yaml", help="file to write (default: standard output)")
-    p.add_argument("--name", help="the topology's name (default: OUT's or MATRIX's file name)")
+    p.add_argument("--name", help="the topology's name (default: OUT's or FILE's name)")
     p.add_argument("--gpu", choices=tuple(nvidia_smi.GPU_PRESETS),
-                   help="the GPUs' generation, for NVLink's rate per link and PCIe's: "
+                   help="nvidia-smi: the GPUs' generation, for NVLink's rate per link and PCIe's: "
                         + "; ".join(f"{k}: {v.what}" for k, v in nvidia_smi.GPU_PRESETS.items()))
     p.add_argument("--nvlink", type=_rate("--nvlink"), metavar="BW",
-                   help="NVLink rate per link per direction (instead of --gpu's)")
+                   help="NVLink rate per link per direction (instead of --gpu's or the XML's GPUs')")
     p.add_argument("--pcie", type=_rate("--pcie"), metavar="BW",
-                   help="PCIe rate per direction of a GPU's slot and of a switch's uplink (instead of --gpu's)")
+                   help="PCIe rate per direction of every GPU's slot and switch's uplink (instead of --gpu's "
+                        "or the XML's)")
     p.add_argument("--cpu-link", type=_rate("--cpu-link"), default=DEFAULT_CPU_LINK,
                    metavar="BW", help="each NUMA node's link to the others (QPI, UPI, xGMI; default 38.4 GB/s)")
     p.add_argument("--hosts", type=at_least(1), default=1, metavar="N",
                    help="how many machines like this one the job runs on (default 1)")
     p.add_argument("--nic-bandwidth", type=_rate("--nic-bandwidth"), metavar="BW",
-                   help="the NICs' rate (e.g. 200Gbit/s); puts them in the file, needed with --hosts")
+                   help="the NICs' rate (e.g. 200Gbit/s; instead of the XML's); nvidia-smi: puts them in the file, "
+                        "needed with --hosts")
     p.add_argument("--nics", type=list_of(str), metavar="LIST",
-                   help="the NICs that carry the job, by legend or column name (mlx5_0,mlx5_1; default all)")
+                   help="the NICs that carry the job, by name (mlx5_0,mlx5_1; nvidia-smi: or column; default all)")
     p.add_argument("--gpus", type=list_of(int), metavar="LIST",
                    help="the GPUs that are ranks, by index (0,1,4,5; default all)")
     p.add_argument("--nvswitch", choices=("auto", "yes", "no"), default="auto",
-                   help="whether the GPUs' NVLinks go through NVSwitches (auto: when every pair shows "
-                        "the same NV# and more links than a GPU has)")
+                   help="nvidia-smi: whether the GPUs' NVLinks go through NVSwitches (auto: when every "
+                        "pair shows the same NV# and more links than a GPU has)")
     p.set_defaults(func=cmd_import)
 
 
@@ -646,6 +650,7 @@ def cmd_draw(args):
 def cmd_import(args):
     import yaml
 
+    from .. import nccl_xml
     from ..topology import Topology
 
     if args.output is not None:
@@ -654,12 +659,21 @@ def cmd_import(args):
     try:
         text = sys.stdin.read() if args.matrix == "-" else open(args.matrix, encoding="utf-8").read()
     except UnicodeDecodeError:
-        raise Error(f"{source}: not text; save the output of `nvidia-smi topo -m` to a file") from None
+        raise Error(f"{source}: not text; give the output of `nvidia-smi topo -m` or NCCL's topology XML") from None
     name = args.name or os.path.splitext(os.path.basename(args.output or source))[0].strip("<>")
-    matrix = nvidia_smi.read_matrix(text, source)
-    out = nvidia_smi.topology(matrix, name, gpu=args.gpu, nvlink=args.nvlink, pcie=args.pcie,
-                              cpu_link=args.cpu_link, hosts=args.hosts, nic_bandwidth=args.nic_bandwidth,
-                              nics=args.nics, gpus=args.gpus, nvswitch=args.nvswitch)
+    common = dict(nvlink=args.nvlink, pcie=args.pcie, cpu_link=args.cpu_link, hosts=args.hosts,
+                  nic_bandwidth=args.nic_bandwidth, nics=args.nics, gpus=args.gpus)
+    if text.lstrip().startswith("<"):
+        matrix_only = [option for option, given in (("--gpu", args.gpu), ("--nvswitch", args.nvswitch != "auto"))
+                       if given]
+        if matrix_only:
+            raise Error(f"{' and '.join(matrix_only)} {'are' if len(matrix_only) > 1 else 'is'} for an nvidia-smi "
+                        f"matrix; NCCL's XML says its GPUs' generation and NVSwitches itself (--nvlink and --pcie "
+                        f"replace its rates)")
+        out = nccl_xml.topology(nccl_xml.read_xml(text, source), name, source, **common)
+    else:
+        out = nvidia_smi.topology(nvidia_smi.read_matrix(text, source), name, gpu=args.gpu,
+                                  nvswitch=args.nvswitch, **common)
     topo = Topology.from_dict(yaml.safe_load(out), source=args.output or "<output>")
     if args.output is None:
         sys.stdout.write(out)

@@ -1,0 +1,190 @@
+"""A topology file from NCCL's topology XML (``NCCL_TOPO_DUMP_FILE``): one machine as NCCL sees it.
+
+NCCL writes, for the node it runs on, the tree it detected: ``<cpu numaid=...>`` for every NUMA node,
+``<pci busid link_speed link_width>`` for every PCIe bridge and device below it, ``<gpu dev sm>``
+with its ``<nvlink target count tclass>`` links (``tclass 0x068000``: an NVSwitch), and ``<nic>`` with
+its ``<net name speed>`` ports (speed in Mbit/s). Unlike ``nvidia-smi topo -m`` it says how wide and
+fast every PCIe link is and how fast every NIC, so only NVLink's rate per link (from the GPU's
+compute capability) and the link between NUMA nodes are assumed. PCIe rates are what DMA achieves
+per lane, as in the zoo's files (Gen3 x16 12 GB/s, Gen4 25, Gen5 50). NVLinks to CPUs (POWER9) and
+Grace's C2C links are not read.
+"""
+import re
+import xml.etree.ElementTree as ElementTree
+
+from .errors import TopologyError
+from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, network_assumptions, pick
+from .units import format_bandwidth
+
+# bytes/s per lane and direction that GPU DMA achieves, by the link's GT/s (3/4 of Gen3's raw rate, as
+# bandwidthTest measures on an x16 slot: 12 GB/s)
+PCIE_LANE = {2.5: 0.2e9, 5.0: 0.4e9, 8.0: 0.75e9, 16.0: 1.5625e9, 32.0: 3.125e9, 64.0: 6.25e9}
+NVSWITCH_CLASS = "0x068000"
+
+
+def nvlink_rate(sm):
+    """NVLink's rate per link per direction for compute capability ``sm`` (60 = P100 ...), None if
+    unknown: NVLink 1.0 20 GB/s, 2.0-4.0 25 GB/s (GA10x bridges 14.0625), 5.0 50 GB/s."""
+    if sm is None or sm < 60:
+        return None
+    if sm in (86, 87, 89):
+        return 14.0625e9
+    return 20e9 if sm < 70 else 25e9 if sm < 100 else 50e9
+
+
+def read_xml(text, source="<stdin>"):
+    """The ``<system>`` element of an NCCL topology XML."""
+    try:
+        root = ElementTree.fromstring(text)
+    except ElementTree.ParseError as exc:
+        line, column = exc.position
+        raise TopologyError(f"not well-formed XML at line {line}, column {column + 1}; pass the file "
+                            f"NCCL_TOPO_DUMP_FILE wrote", source) from None
+    if root.tag != "system":
+        raise TopologyError(f"the root element is <{root.tag}>, not NCCL's <system>; pass the file "
+                            f"NCCL_TOPO_DUMP_FILE wrote", source)
+    if root.find(".//gpu") is None:
+        raise TopologyError("the XML lists no <gpu>: dump it from a job that uses this node's GPUs", source)
+    return root
+
+
+def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFAULT_CPU_LINK, hosts=1,
+             nic_bandwidth=None, nics=None, gpus=None):
+    """The topology of ``hosts`` machines like the one ``root`` (from :func:`read_xml`) describes, as
+    YAML text with its header. ``nvlink``, ``pcie`` and ``nic_bandwidth`` (bytes/s per direction)
+    replace the file's rates; ``nics`` picks NIC ports by name, ``gpus`` the GPUs that are ranks by
+    ``dev`` (default: all). Raises :class:`TopologyError` where the file and options leave a rate
+    unknown or name what the machine lacks."""
+    all_gpus = sorted(root.iter("gpu"), key=lambda g: _int(g, "dev", source))
+    devs = [_int(g, "dev", source) for g in all_gpus]
+    if len(set(devs)) < len(devs):
+        raise TopologyError("two <gpu> elements have the same dev; pass one node's XML", source)
+    ranks = pick(all_gpus, gpus, dict(zip(devs, all_gpus)), "GPU", "--gpus", source, list(map(str, devs)))
+    all_nets = list(root.iter("net"))
+    kept_nets = pick(all_nets, nics, {n.get("name"): n for n in all_nets}, "NIC", "--nics", source,
+                     [n.get("name", "?") for n in all_nets])
+    check_hosts(hosts, kept_nets, source, "the XML lists none; dump it on a node with its network cards")
+    reader = _Reader(root, source, hosts, set(ranks) | set(kept_nets), nvlink, pcie, nic_bandwidth)
+    for k, cpu in enumerate(root.findall("cpu")):
+        if not reader.holds_kept(cpu):
+            continue
+        numa = cpu.get("numaid", "")
+        vertex = reader.node(f"h{{h}}/numa{int(numa, 0)}" if re.fullmatch(r"(0x)?[0-9a-f]+", numa, re.I)
+                             else f"h{{h}}/cpu{k}", "cpu")
+        reader.walk(cpu, vertex, pcie)
+    reader.nvlinks()
+    reader.sockets(cpu_link)
+    rates = sorted({format_bandwidth(r) for r in reader.nvlink_rates})
+    assumed = ([f"NVLink {', '.join(rates)} per link" + ("" if nvlink else " (by compute capability; --nvlink)")]
+               if rates else []) + [
+        f"PCIe {format_bandwidth(pcie)} (--pcie)" if pcie else
+        "PCIe per lane what DMA achieves: Gen3 0.75 GB/s, Gen4 1.5625, Gen5 3.125 (--pcie)",
+        f"each NUMA node to the others {format_bandwidth(cpu_link)} (--cpu-link)" if len(reader.cpus) > 1
+        else None] + network_assumptions(hosts, reader.nics, nic_bandwidth is not None)
+    found = ", ".join(part for part in (
+        f"{len(ranks)} of {len(all_gpus)} GPUs as ranks",
+        reader.nvlink_words(), f"{len(reader.cpus)} NUMA node{'s' if len(reader.cpus) != 1 else ''}",
+        f"{len(reader.switches)} PCIe switches",
+        f"NICs {', '.join(n.get('name') for n in kept_nets)}" if kept_nets else None) if part)
+    read = ("NCCL topology XML: the PCIe tree with every link's generation and width, the GPUs' NVLinks and "
+            "their counts, the NICs' speeds")
+    return reader.text(name, [_int(g, "dev", source) for g in ranks], reader.nics,
+                       header(source, "NCCL topology XML", found, read, [a for a in assumed if a]))
+
+
+def _int(elem, key, source):
+    try:
+        return int(elem.get(key, ""), 0)
+    except ValueError:
+        raise TopologyError(f"<{elem.tag}> has {key}={elem.get(key)!r}, not a number", source) from None
+
+
+def _pcie_rate(pci):
+    """A ``<pci>`` link's rate from its ``link_speed`` ("16.0 GT/s PCIe") and ``link_width``, or None."""
+    speed = re.match(r"\s*([0-9.]+)\s*GT/s", pci.get("link_speed", ""))
+    width = pci.get("link_width", "")
+    lane = PCIE_LANE.get(float(speed.group(1))) if speed else None
+    return lane * int(width) if lane and width.isdigit() and int(width) > 0 else None
+
+
+class _Reader(NodeWriter):
+    """Walks NCCL's tree, writing the devices it keeps and the switches above them."""
+
+    def __init__(self, root, source, hosts, keep, nvlink, pcie, nic_bandwidth):
+        super().__init__(hosts)
+        self.source, self.keep, self.nvlink, self.pcie, self.nic_bandwidth = source, keep, nvlink, pcie, nic_bandwidth
+        self.gpu_at = {}            # busid -> GPU vertex, for NVLink targets
+        self.pending = []           # (GPU vertex, <gpu>) whose NVLinks are read once every GPU is known
+        self.nics, self.nvlink_rates = [], set()
+        self._switched, self._pairs = {}, {}
+
+    def walk(self, elem, parent, rate):
+        """The children of ``elem``, which hangs from vertex ``parent`` by a link of ``rate``."""
+        for child in elem:
+            if child.tag == "nic":
+                self._nic(child, parent, rate)
+            elif child.tag != "pci" or not self.holds_kept(child):
+                continue
+            elif child.find("gpu") is not None:
+                self._gpu(child, child.find("gpu"), parent, rate)
+            elif child.find("nic") is not None:
+                self._nic(child.find("nic"), parent, self._rate(child, rate))
+            else:
+                link = self._rate(child, rate)
+                self.walk(child, self.switch(parent, link), link)
+
+    def holds_kept(self, elem):
+        return any(e in self.keep for e in elem.iter() if e.tag in ("gpu", "net"))
+
+    def _rate(self, pci, inherited):
+        rate = self.pcie or _pcie_rate(pci) or inherited
+        if rate is None:
+            raise TopologyError(f"<pci busid={pci.get('busid')!r}> gives no link speed and width: give --pcie "
+                                f"(e.g. 25GB/s)", self.source)
+        return rate
+
+    def _gpu(self, pci, gpu, parent, inherited):
+        if gpu not in self.keep:
+            return
+        vertex = self.node(f"h{{h}}/gpu{_int(gpu, 'dev', self.source)}", "gpu")
+        self.link(vertex, parent, self._rate(pci, inherited))
+        self.gpu_at[pci.get("busid", "").lower()] = vertex
+        self.pending.append((vertex, gpu))
+
+    def _nic(self, nic, parent, pcie_rate):
+        for net in nic.iter("net"):
+            if net not in self.keep:
+                continue
+            name = re.sub(r"[/{}\s]", "_", net.get("name", "") or f"nic{len(self.nics)}").lower()
+            speed = self.nic_bandwidth or (float(net.get("speed", "0") or 0) * 1e6 / 8)
+            if not speed > 0:
+                raise TopologyError(f"<net name={net.get('name')!r}> gives no speed: give --nic-bandwidth "
+                                    f"(e.g. 200Gbit/s), or leave it out with --nics", self.source)
+            vertex = self.node(f"h{{h}}/{name}", "nic")
+            self.link(vertex, parent, min(speed, pcie_rate) if pcie_rate else speed)
+            self.nics.append((vertex, speed))
+
+    def nvlinks(self):
+        """Every kept GPU's NVLinks: to another kept GPU, or into the NVSwitches (one vertex)."""
+        for vertex, gpu in self.pending:
+            rate = self.nvlink or nvlink_rate(int(gpu.get("sm", "0") or 0))
+            for link in gpu.iter("nvlink"):
+                if rate is None:
+                    raise TopologyError(f"<gpu dev={gpu.get('dev')!r} sm={gpu.get('sm')!r}> has NVLinks of no "
+                                        f"known rate: give --nvlink (e.g. 25GB/s)", self.source)
+                count = _int(link, "count", self.source)
+                target = link.get("target", "").lower()
+                if link.get("tclass", NVSWITCH_CLASS) == NVSWITCH_CLASS and target not in self.gpu_at:
+                    self._switched[vertex] = self._switched.get(vertex, 0) + count
+                elif target in self.gpu_at:
+                    self._pairs.setdefault(frozenset((vertex, self.gpu_at[target])), (count, rate))
+                self.nvlink_rates.add(rate)
+        for pair, (count, rate) in self._pairs.items():
+            self.link(*sorted(pair), rate, count=count)
+        if self._switched:
+            self.nvswitch(list(self._switched), max(self.nvlink_rates), self._switched)
+
+    def nvlink_words(self):
+        if self._switched:
+            return f"NVSwitch ({'/'.join(map(str, sorted(set(self._switched.values()))))} links per GPU)"
+        return f"NVLink between {len(self._pairs)} GPU pairs" if self._pairs else None

@@ -1,0 +1,131 @@
+"""`ddl topo import` of NCCL's topology XML (NCCL_TOPO_DUMP_FILE).
+
+The files in tests/nccl_xml/ are written in NCCL's format for machines the zoo describes by hand (DGX-1
+V100, DGX A100 with its NPS4 NUMA nodes and two storage NICs). Imported, they give the zoo's bounds;
+where the XML leaves a rate unknown, the import asks for it by name.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ddl import bounds, nccl_xml, nvidia_smi
+from ddl.errors import TopologyError
+from ddl.topology import Topology
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+COMPUTE_NICS = ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9"]
+GB = 1e9
+
+
+def text_of(name):
+    with open(os.path.join(HERE, "nccl_xml", name), encoding="utf-8") as f:
+        return f.read()
+
+
+def imported(text, **options):
+    out = nccl_xml.topology(nccl_xml.read_xml(text, "t.xml"), "t", "t.xml", **options)
+    return Topology.from_dict(yaml.safe_load(out)), out
+
+
+def zoo(name):
+    return Topology.load(os.path.join(ROOT, "topologies", name))
+
+
+@pytest.mark.parametrize("hosts, algbw", [(2, 346.67), (4, 266.67)])
+def test_dgx_a100_boxes_reach_forestcolls_optimum(hosts, algbw):
+    topo, text = imported(text_of("dgx-a100.xml"), hosts=hosts, nics=COMPUTE_NICS)
+    box = zoo(f"dgx-a100-{hosts}x8.yaml")
+    assert round(bounds.cut_bound(topo).algbw / GB, 2) == algbw
+    assert bounds.allreduce_bound(topo).seconds_per_byte == pytest.approx(bounds.allreduce_bound(box).seconds_per_byte)
+    graph = topo.usable_graph()
+    assert graph["h0/gpu5"]["h0/nvswitch"]["capacity"] == 12 * 25 * GB     # 6 NVSwitches x 2 links
+    assert graph["h1/mlx5_9"]["fabric"]["capacity"] == 25 * GB               # speed="200000" (Mbit/s)
+    assert graph["h0/gpu0"]["h0/pcie1"]["capacity"] == 25 * GB               # 16 GT/s x 16 lanes
+    assert not any("mlx5_4" in v or v.endswith("numa0") for v in graph)     # storage NICs and their node left out
+    assert "NVSwitch (12 links per GPU), 4 NUMA nodes" in " ".join(text.replace("#", "").split())
+
+
+def test_dgx1_gives_the_zoo_files_bounds_as_the_matrix_does():
+    topo, _ = imported(text_of("dgx1-v100.xml"))
+    for other in (zoo("dgx1-v100.yaml"), Topology.from_dict(yaml.safe_load(nvidia_smi.topology(
+            nvidia_smi.read_matrix(open(os.path.join(HERE, "nvidia_smi", "dgx1-v100.txt")).read(), "m"), "m",
+            gpu="v100")))):
+        assert bounds.transfer_bound(topo).bandwidth == pytest.approx(bounds.transfer_bound(other).bandwidth)
+        assert bounds.cut_bound(topo).algbw == pytest.approx(bounds.cut_bound(other).algbw)
+    graph = topo.usable_graph()
+    assert graph["h0/gpu0"]["h0/gpu4"]["capacity"] == 2 * 25 * GB and not graph.has_edge("h0/gpu0", "h0/gpu5")
+    assert graph["h0/mlx5_0"]["h0/pcie0"]["capacity"] == 12 * GB      # 100 Gbit/s NIC behind a Gen3 x16 slot
+
+
+def test_a_fragment_keeps_only_its_gpus_and_their_links():
+    topo, _ = imported(text_of("dgx1-v100.xml"), gpus=[0, 1, 4, 5], nics=[])
+    assert list(topo.ranks) == ["h0/gpu0", "h0/gpu1", "h0/gpu4", "h0/gpu5"]
+    assert {v for v in topo.nodes if topo.kind(v) in ("gpu", "nic")} == set(topo.ranks)
+    fragment = zoo("dgx1-v100.yaml").with_ranks([f"dgx1/gpu{g}" for g in (0, 1, 4, 5)])
+    assert bounds.cut_bound(topo).algbw == pytest.approx(bounds.cut_bound(fragment).algbw)
+    assert bounds.allreduce_bound(topo).seconds_per_byte == pytest.approx(
+        bounds.allreduce_bound(fragment).seconds_per_byte)
+
+
+def test_unknown_widths_inherit_the_bridge_above():
+    text = re.sub(r'link_speed="8.0 GT/s PCIe" link_width="16">(\s*<gpu)', r'link_speed="" link_width="0">\1',
+                  text_of("dgx1-v100.xml"))
+    assert 'link_width="0"' in text
+    topo, _ = imported(text)
+    assert topo.usable_graph()["h0/gpu0"]["h0/pcie0"]["capacity"] == 12 * GB
+
+
+@pytest.mark.parametrize("edit, options, words", [
+    (lambda t: t.replace('link_width="16"', 'link_width="0"'), {}, ["gives no link speed and width", "--pcie"]),
+    (lambda t: t.replace('sm="70"', 'sm="0"'), {}, ["NVLinks of no known rate", "--nvlink"]),
+    (lambda t: t.replace('speed="100000"', 'speed="0"'), {}, ["<net name='mlx5_0'> gives no speed", "--nics"]),
+    (lambda t: t, {"gpus": [0, 8]}, ["--gpus: the machine has no GPU 8"]),
+    (lambda t: t, {"hosts": 2, "nics": []}, ["2 hosts are joined through their NICs"]),
+    (lambda t: t.replace('dev="1"', 'dev="0"', 1), {}, ["the same dev"]),
+])
+def test_what_the_xml_leaves_unknown_is_asked_for(edit, options, words):
+    with pytest.raises(TopologyError) as err:
+        imported(edit(text_of("dgx1-v100.xml")), **options)
+    for w in words:
+        assert w in str(err.value)
+
+
+@pytest.mark.parametrize("edit, options", [
+    (lambda t: t.replace('link_width="16"', 'link_width="0"'), {"pcie": 12 * GB}),
+    (lambda t: t.replace('sm="70"', 'sm="0"'), {"nvlink": 25 * GB}),
+    (lambda t: t.replace('speed="100000"', 'speed="0"'), {"nic_bandwidth": 12.5 * GB}),
+])
+def test_an_option_gives_what_the_xml_does_not(edit, options):
+    topo, text = imported(edit(text_of("dgx1-v100.xml")), **options)
+    assert bounds.transfer_bound(topo).bandwidth == pytest.approx(1248 * GB)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("<system", "not well-formed XML at line 1"),
+    ("<topology/>", "the root element is <topology>"),
+    ('<system version="1"><cpu numaid="0"/></system>', "lists no <gpu>"),
+])
+def test_a_file_that_is_not_nccls_is_named(text, words):
+    with pytest.raises(TopologyError, match=words):
+        nccl_xml.read_xml(text, "x.xml")
+
+
+def ddl(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "ddl", *args], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_tells_the_formats_apart(tmp_path):
+    out = tmp_path / "boxes.yaml"
+    r = ddl("topo", "import", os.path.join(HERE, "nccl_xml", "dgx-a100.xml"), "--hosts", "2", "--nics",
+            ",".join(COMPUTE_NICS), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert round(bounds.cut_bound(Topology.load(out)).algbw / GB, 2) == 346.67
+    r = ddl("topo", "import", "-", "--gpu", "v100", stdin=text_of("dgx1-v100.xml"))
+    assert r.returncode == 2 and "--gpu is for an nvidia-smi matrix" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
