@@ -69,8 +69,8 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
         if not reader.holds_kept(cpu):
             continue
         numa = cpu.get("numaid", "")
-        vertex = reader.node(f"h{{h}}/numa{int(numa, 0)}" if re.fullmatch(r"(0x)?[0-9a-f]+", numa, re.I)
-                             else f"h{{h}}/cpu{k}", "cpu")
+        known = re.fullmatch(r"0x[0-9a-f]+|[0-9]+", numa.strip(), re.I)
+        vertex = reader.node(f"h{{h}}/numa{_int(cpu, 'numaid', source)}" if known else f"h{{h}}/cpu{k}", "cpu")
         reader.walk(cpu, vertex, pcie)
     reader.nvlinks()
     reader.sockets(cpu_link)
@@ -93,8 +93,9 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
 
 
 def _int(elem, key, source):
+    text = elem.get(key, "").strip()
     try:
-        return int(elem.get(key, ""), 0)
+        return int(text, 16 if text.lower().startswith("0x") else 10)
     except ValueError:
         raise TopologyError(f"<{elem.tag}> has {key}={elem.get(key)!r}, not a number", source) from None
 

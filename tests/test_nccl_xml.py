@@ -129,3 +129,10 @@ def test_cli_tells_the_formats_apart(tmp_path):
     r = ddl("topo", "import", "-", "--gpu", "v100", stdin=text_of("dgx1-v100.xml"))
     assert r.returncode == 2 and "--gpu is for an nvidia-smi matrix" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_numa_ids_as_nccl_writes_them():
+    """Decimal, hexadecimal (0x1) or unknown (-1): a CPU vertex each, named by the id where there is one."""
+    text = text_of("dgx1-v100.xml").replace('numaid="0"', 'numaid="0x2"').replace('numaid="1"', 'numaid="-1"')
+    topo, _ = imported(text)
+    assert {v for v in topo.nodes if topo.kind(v) == "cpu"} == {"h0/numa2", "h0/cpu1"}
