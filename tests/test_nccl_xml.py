@@ -136,3 +136,13 @@ def test_numa_ids_as_nccl_writes_them():
     text = text_of("dgx1-v100.xml").replace('numaid="0"', 'numaid="0x2"').replace('numaid="1"', 'numaid="-1"')
     topo, _ = imported(text)
     assert {v for v in topo.nodes if topo.kind(v) == "cpu"} == {"h0/numa2", "h0/cpu1"}
+
+
+def test_a_nic_without_a_pci_element_hangs_from_its_cpu_at_its_speed():
+    """NCCL lists network devices it found no PCI path for (a bond, a virtual NIC) under the CPU."""
+    text = text_of("dgx1-v100.xml").replace(
+        '  </cpu>\n', '    <nic>\n      <net name="bond0" dev="4" speed="25000" port="1" gdr="0"/>\n    </nic>\n  </cpu>\n', 1)
+    topo, _ = imported(text, hosts=2, nics=["bond0"])
+    graph = topo.usable_graph()
+    assert graph["h1/bond0"]["h1/numa0"]["capacity"] == 25e9 / 8 == graph["h1/bond0"]["fabric"]["capacity"]
+    assert not any("mlx5" in v for v in graph)
