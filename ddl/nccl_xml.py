@@ -13,7 +13,7 @@ import re
 import xml.etree.ElementTree as ElementTree
 
 from .errors import TopologyError
-from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, network_assumptions, pick
+from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, pick
 from .units import format_bandwidth
 
 # bytes/s per lane and direction that GPU DMA achieves, by the link's GT/s (3/4 of Gen3's raw rate, as
@@ -78,13 +78,10 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
     assumed = ([f"NVLink {', '.join(rates)} per link" + ("" if nvlink else " (by compute capability; --nvlink)")]
                if rates else []) + [
         f"PCIe {format_bandwidth(pcie)} (--pcie)" if pcie else
-        "PCIe per lane what DMA achieves: Gen3 0.75 GB/s, Gen4 1.5625, Gen5 3.125 (--pcie)",
-        f"each NUMA node to the others {format_bandwidth(cpu_link)} (--cpu-link)" if len(reader.cpus) > 1
-        else None] + network_assumptions(hosts, reader.nics, nic_bandwidth is not None)
+        "PCIe per lane what DMA achieves: Gen3 0.75 GB/s, Gen4 1.5625, Gen5 3.125 (--pcie)"
+        ] + reader.assumptions(cpu_link, reader.nics, nic_bandwidth is not None)
     found = ", ".join(part for part in (
-        f"{len(ranks)} of {len(all_gpus)} GPUs as ranks",
-        reader.nvlink_words(), f"{len(reader.cpus)} NUMA node{'s' if len(reader.cpus) != 1 else ''}",
-        f"{len(reader.switches)} PCIe switches",
+        f"{len(ranks)} of {len(all_gpus)} GPUs as ranks", reader.nvlink_words(), reader.counts(),
         f"NICs {', '.join(n.get('name') for n in kept_nets)}" if kept_nets else None) if part)
     read = ("NCCL topology XML: the PCIe tree with every link's generation and width, the GPUs' NVLinks and "
             "their counts, the NICs' speeds")

@@ -59,6 +59,23 @@ class NodeWriter:
             for c in self.cpus:
                 self.link(c, hub, rate)
 
+    def counts(self):
+        """The header's count of what the machine has beside GPUs and NICs."""
+        return f"{len(self.cpus)} NUMA node{'s' if len(self.cpus) != 1 else ''}, {len(self.switches)} PCIe switches"
+
+    def assumptions(self, cpu_link, nics, nic_option):
+        """The header's words on what joins NUMA nodes, NICs and hosts; ``nics``: (vertex, rate) pairs,
+        ``nic_option``: whether --nic-bandwidth set their rate."""
+        words = []
+        if len(self.cpus) > 1:
+            words.append(f"each NUMA node to the others {format_bandwidth(cpu_link)} (--cpu-link)")
+        if nics and nic_option:
+            words.append(f"NICs {format_bandwidth(nics[0][1])} (--nic-bandwidth), each on its PCIe switch at that "
+                         f"rate")
+        if self.hosts > 1:
+            words.append(f"{self.hosts} hosts on one non-blocking switch `fabric` ({FABRIC_LATENCY})")
+        return words
+
     def text(self, name, gpus, nics, header):
         """The whole file: ``gpus`` (indices) are the ranks; ``nics`` (vertex, rate) pairs join the
         hosts when there are several; ``header``: its lines, each a paragraph."""
@@ -81,16 +98,6 @@ def header(source, what, found, read, assumed):
             "Simplified: PCIe switches are non-blocking; GPUs never forward (routes between GPUs without "
             "an NVLink go over PCIe and the CPUs).",
             "The host nodes h0, h1, ... only group the ranks (ids h0/...)."]
-
-
-def network_assumptions(hosts, nics, nic_option):
-    """The header's words on the NICs and the fabric; ``nic_option``: whether --nic-bandwidth set them."""
-    words = []
-    if nics and nic_option:
-        words.append(f"NICs {format_bandwidth(nics[0][1])} (--nic-bandwidth), each on its PCIe switch at that rate")
-    if hosts > 1:
-        words.append(f"{hosts} hosts on one non-blocking switch `fabric` ({FABRIC_LATENCY})")
-    return words
 
 
 def pick(items, wanted, by_name, what, option, source, listed):

@@ -22,7 +22,7 @@ from collections import namedtuple
 import networkx as nx
 
 from .errors import TopologyError
-from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, network_assumptions, pick
+from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, pick
 from .units import format_bandwidth
 
 # PCIe path kinds, shortest first; SOC is what drivers before 2017 called SYS.
@@ -140,13 +140,11 @@ def topology(matrix, name, gpu=None, nvlink=None, pcie=None, cpu_link=DEFAULT_CP
     b.sockets(cpu_link)
     nic_rates = [(b.vid(n), nic_bandwidth) for n in chosen_nics]
     assumed = [f"NVLink {format_bandwidth(nvlink)} per link" if shown else None,
-               f"PCIe {format_bandwidth(pcie)}" + (f" ({preset.what})" if preset else ""),
-               f"each NUMA node to the others {format_bandwidth(cpu_link)} (--cpu-link)" if len(b.cpus) > 1
-               else None] + network_assumptions(hosts, nic_rates, True)
+               f"PCIe {format_bandwidth(pcie)}" + (f" ({preset.what})" if preset else "")
+               ] + b.assumptions(cpu_link, nic_rates, True)
     found = ", ".join(part for part in (
         f"{len(ranks)} of {len(all_gpus)} GPUs as ranks",
-        f"{'NVSwitch' if switched else 'NVLink'} between them" if shown else None,
-        f"{len(b.cpus)} NUMA node{'s' if len(b.cpus) != 1 else ''}", f"{len(b.switches)} PCIe switches",
+        f"{'NVSwitch' if switched else 'NVLink'} between them" if shown else None, b.counts(),
         f"NICs {', '.join(matrix.names.get(n, n) for n in chosen_nics)}" if chosen_nics else None) if part)
     read = ("matrix: which GPUs are NVLinked and by how many links, which devices share a PCIe switch (PIX), a "
             "tree of switches (PXB) or a NUMA node (PHB, NODE)")

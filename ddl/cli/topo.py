@@ -14,6 +14,7 @@
 """
 import math
 import os
+import pathlib
 import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 
@@ -42,7 +43,7 @@ def register(subparsers):
     parser = subparsers.add_parser(
         "topo", help="validate, show and draw topology files",
         description="Validate, inspect and draw topology files (YAML or JSON; see topologies/), or make "
-                    "one from `nvidia-smi topo -m`.")
+                    "one from `nvidia-smi topo -m` or NCCL's topology XML.")
     sub = parser.add_subparsers(dest="topo_command", metavar="SUBCOMMAND")
     parser.set_defaults(func=lambda args: _no_subcommand(parser))
 
@@ -78,7 +79,7 @@ def register(subparsers):
                                    "joined by one switch. nvidia-smi gives no speeds: --gpu gives NVLink's "
                                    "and PCIe's, --nic-bandwidth the NICs'. The file's header says what was "
                                    "read and what assumed.")
-    p.add_argument("matrix", metavar="FILE",
+    p.add_argument("file", metavar="FILE",
                    help="one node's `nvidia-smi topo -m`, or NCCL's topology XML ('-': read standard input)")
     p.add_argument("-o", "--output", metavar="OUT.yaml", help="file to write (default: standard output)")
     p.add_argument("--name", help="the topology's name (default: OUT's or FILE's name)")
@@ -655,9 +656,9 @@ def cmd_import(args):
 
     if args.output is not None:
         check_output_file("-o", args.output, "cluster.yaml")
-    source = "<stdin>" if args.matrix == "-" else args.matrix
+    source = "<stdin>" if args.file == "-" else args.file
     try:
-        text = sys.stdin.read() if args.matrix == "-" else open(args.matrix, encoding="utf-8").read()
+        text = sys.stdin.read() if args.file == "-" else pathlib.Path(args.file).read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise Error(f"{source}: not text; give the output of `nvidia-smi topo -m` or NCCL's topology XML") from None
     name = args.name or os.path.splitext(os.path.basename(args.output or source))[0].strip("<>")
