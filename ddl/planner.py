@@ -16,13 +16,18 @@ Schedules depend on the message size only through the choice of algorithm and it
 plans are cached by *size class* (the power of two at or above ``nbytes``): in memory per
 :class:`Planner`, and on disk under ``$DDL_CACHE_DIR`` (default ``~/.cache/ddl``) keyed by the topology
 fingerprint and the planner's revision, so a training step never plans twice, a restarted job starts
-with its plans, and plans chosen by an older cost model are not reused.
+with its plans, and plans chosen by an older cost model are not reused. A rank that finds no plan on
+disk plans under a lock that the other ranks of its node wait on, and they load its plan instead of
+all computing the same plan at once on the node's cores.
 """
 import hashlib
 import math
 import multiprocessing
 import os
+import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +43,9 @@ PARALLEL_MIN_OPS = 100_000
 # Bump when the cost model or an algorithm changes which schedule a size class gets (the set of
 # registered algorithms is part of the cache key anyway).
 PLANNER_REVISION = 21
+# How long a rank waits for another process to finish the plan it needs before planning it itself (a
+# holder stopped in a debugger must not stop the job for good).
+PLAN_WAIT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -166,12 +174,11 @@ class Planner:
         key = _key(collective, nbytes, algorithm, root)
         sched = self._schedules.get(key)
         if sched is None:
-            sched = self._load(key)
-            if sched is None:
-                if algorithm == AUTO:
+            with self._turn_to_plan(key) as sched:       # a plan on disk, or None: make it
+                if sched is None and algorithm == AUTO:
                     made = self.plan(collective, nbytes, AUTO, root).schedule
                     sched = self._schedules.get(key, made)     # plan() holds the first stored plan
-                else:
+                elif sched is None:
                     sched = self._build(algorithm, collective, size_class(nbytes), root)
                     _verified(sched)
                     sched = self._store(key, sched)
@@ -318,6 +325,40 @@ class Planner:
             return None
         return sched
 
+    @contextmanager
+    def _turn_to_plan(self, key):
+        """Yields the plan the disk cache holds for ``key``, or None: then the caller plans it.
+
+        Ranks of one node that miss the same plan take turns through an ``flock`` on a lock file of
+        that plan in the node's temporary folder (node-local, so a cache folder shared over NFS is
+        not polled by every rank of a job): the first plans under an exclusive lock; the others wait
+        for a shared one, get it together once the plan is stored, and load it. One plan's work
+        instead of one per rank, on cores they share. Where no lock can be had (no disk cache, no
+        usable temporary folder, a holder not done within :data:`PLAN_WAIT_SECONDS`), a process
+        plans alone."""
+        held = self._load(key)
+        fd = lock = None
+        if held is None and self.cache_dir is not None:
+            try:
+                import fcntl
+
+                path = _lock_path(self._path(key))
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                if _flock(fd, fcntl.LOCK_EX):
+                    lock = path
+                elif _flock(fd, fcntl.LOCK_SH, PLAN_WAIT_SECONDS):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                held = self._load(key)           # stored by another process meanwhile
+            except (ImportError, OSError):
+                pass
+        try:
+            yield held
+        finally:
+            if lock is not None:    # the plan is stored (or failed): a process that comes later finds
+                lock.unlink(missing_ok=True)     # it, or makes the lock anew; those waiting hold this one
+            if fd is not None:
+                os.close(fd)                     # (which releases the lock)
+
     def _store(self, key, sched):
         """Store ``sched`` as the plan of its size class, unless another process stored a valid one
         first: that one stays and is returned, so that every process runs the same plan (two sizes
@@ -336,6 +377,32 @@ class Planner:
             # a read-only home must not stop training; the memory cache still works
             self.cache_problem = f"{path}: cannot store the plan ({exc.strerror or exc})"
         return sched
+
+
+def _lock_path(path):
+    """The node-local lock file of the plan file ``path`` (see :meth:`Planner._turn_to_plan`), in a
+    folder of this user's own."""
+    folder = Path(tempfile.gettempdir()) / f"ddl-plan-locks-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():     # made by someone else, who could hold our locks
+        raise PermissionError(f"{folder} belongs to another user")
+    return folder / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".lock")
+
+
+def _flock(fd, operation, wait=0.0):
+    """Take ``flock``'s ``operation`` on ``fd``, trying for up to ``wait`` seconds; whether it did."""
+    import fcntl
+
+    deadline, pause = time.monotonic() + wait, 0.001
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
 
 def _pin_key(collective, root):

@@ -237,3 +237,72 @@ def test_ddl_plan_proves_its_plan_once_also_where_the_cache_holds_it(tmp_path, m
         assert main(["plan", "topologies/emulated-2rack.yaml", "--bytes", "4MiB", "--workers", "1"]) == 0
         assert "cached      " in capsys.readouterr().out
         assert len(proofs) == 1, run
+
+
+PLAN_ONCE = """
+import hashlib, sys, time
+import ddl.planner as pm
+real = pm.Planner._plan
+def slow(self, *args):                  # a plan that takes long enough for every process to miss it
+    print("PLANNED", flush=True)
+    time.sleep(2.0)
+    return real(self, *args)
+pm.Planner._plan = slow
+sched = pm.Planner(pm.flat_topology(8), cache_dir=sys.argv[1]).schedule("allreduce", 64 << 20)
+print("DIGEST", hashlib.sha256(sched.to_json().encode()).hexdigest(), flush=True)
+"""
+
+
+def test_ranks_that_miss_the_same_plan_make_it_once(tmp_path):
+    """Three processes (a node's ranks) ask for a plan no one has made: one plans, the others wait for
+    it and load it, and all run the same schedule."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", PLAN_ONCE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(out.count("PLANNED") for out in outs) == 1, outs
+    digests = {line for out in outs for line in out.splitlines() if line.startswith("DIGEST")}
+    assert len(digests) == 1, outs
+    assert [p.suffix for p in tmp_path.rglob("*") if p.is_file()] == [".json"]   # no lock in a shared cache
+    lock = planner_module._lock_path(Planner(planner_module.flat_topology(8), cache_dir=tmp_path)
+                                     .cache_file("allreduce", 64 << 20))
+    assert not lock.exists()                                                 # nor left where it was
+
+
+def test_a_holder_that_does_not_finish_delays_the_others_only_so_long(tmp_path, monkeypatch):
+    """A process that holds a plan's lock and never stores it (stopped in a debugger, say) costs the
+    others :data:`PLAN_WAIT_SECONDS` at most: then they plan alone."""
+    import fcntl
+    import os
+    import time
+
+    monkeypatch.setattr(planner_module, "PLAN_WAIT_SECONDS", 0.5)
+    planner = Planner(flat_topology(4), cache_dir=tmp_path)
+    lock = planner_module._lock_path(planner.cache_file("allreduce", 1 << 20))
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        sched = planner.schedule("allreduce", 1 << 20)
+        assert 0.5 <= time.monotonic() - t0 < 30
+    finally:
+        lock.unlink()
+        os.close(fd)
+    assert planner.stored("allreduce", 1 << 20) == sched
+
+
+def test_a_lock_folder_of_another_user_is_not_used(tmp_path, monkeypatch):
+    """Someone else's folder where ddl keeps its plan locks could hold them for ever: not used, the
+    plan is made alone."""
+    import os
+
+    other = os.getuid() + 1
+    monkeypatch.setattr(planner_module.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(planner_module.os, "getuid", lambda: other)
+    folder = tmp_path / f"ddl-plan-locks-{other}"       # this user's, so not the one ddl asks for
+    folder.mkdir()
+    assert Planner(flat_topology(4), cache_dir=tmp_path / "cache").schedule("allreduce", 1000).nranks == 4
+    assert not any(folder.iterdir())
