@@ -19,8 +19,9 @@ $(VENV)/.installed: setup.py pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py
 
+# Two pytest workers: most tests plan on one core, and the second keeps the other busy.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,7 +27,7 @@ setup(
     extras_require={
         "gpu": ["cupy-cuda12x", "ml_dtypes"],      # CUDA 12 drivers
         "gpu-cuda13": ["cupy-cuda13x", "ml_dtypes"],  # CUDA 13 drivers
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis"],
         "bf16": ["ml_dtypes"],
     },
     entry_points={"console_scripts": ["ddl = ddl.cli:main"]},

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -23,6 +24,16 @@ from ddl.topology import Topology
 
 MBIT = 1e6 / 8
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_test_at_a_time():
+    """``make test`` runs two pytest workers, which may take tests of this file at once; those that
+    compare the machine's namespaces before and after, and the rate self-checks, need the emulation
+    to themselves. Each test holds an exclusive lock while it runs."""
+    with open(Path(tempfile.gettempdir()) / f"ddl-tests-emulate-{os.getuid()}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def two_rack(interleaved=False):
