@@ -17,6 +17,8 @@ from ddl.errors import PlanError
 from ddl.simulate import simulate
 from ddl.topology import Topology
 from ddl.verify import verify
+from test_bounds import DGX1_DOUBLE, DGX1_SINGLE
+from test_bounds import dgx1 as dgx1_nvlink
 
 # the module, not the function of the same name that ddl.algorithms exports
 tp = importlib.import_module("ddl.algorithms.tree_packing")
@@ -32,22 +34,6 @@ N = 256 << 20
 def link(g, a, b, capacity):
     g.add_edge(a, b, capacity=capacity)
     g.add_edge(b, a, capacity=capacity)
-
-
-DGX1_DOUBLE = [(0, 1), (0, 4), (1, 3), (2, 3), (2, 6), (4, 5), (5, 7), (6, 7)]
-DGX1_SINGLE = [(0, 2), (0, 3), (1, 2), (1, 5), (3, 7), (4, 6), (4, 7), (5, 6)]
-
-
-def dgx1_nvlink(members=range(8)):
-    """NVLink graph of a DGX-1 V100 on ``members`` (GPUs outside the job are not in the graph)."""
-    members = list(members)
-    g = nx.DiGraph()
-    g.add_nodes_from(members)
-    for pairs, bw in ((DGX1_DOUBLE, 50 * GB), (DGX1_SINGLE, 25 * GB)):
-        for a, b in pairs:
-            if a in members and b in members:
-                link(g, a, b, bw)
-    return g, members
 
 
 def star(p, bandwidth=10 * GB, kind="gpu"):
