@@ -6,8 +6,13 @@ with its ``<nvlink target count tclass>`` links (``tclass 0x068000``: an NVSwitc
 its ``<net name speed>`` ports (speed in Mbit/s). Unlike ``nvidia-smi topo -m`` it says how wide and
 fast every PCIe link is and how fast every NIC, so only NVLink's rate per link (from the GPU's
 compute capability) and the link between NUMA nodes are assumed. PCIe rates are what DMA achieves
-per lane, as in the zoo's files (Gen3 x16 12 GB/s, Gen4 25, Gen5 50). NVLinks to CPUs (POWER9) and
-Grace's C2C links are not read.
+per lane, as in the zoo's files (Gen3 x16 12 GB/s, Gen4 25, Gen5 50).
+
+A GPU may also reach its CPU directly: through NVLink-C2C on Grace machines (``<c2c bw count>``, the
+rate per link in MB/s, as NVML reports it) or through NVLinks into a POWER9 CPU (``tclass
+0x068001``). That link joins the GPU to its NUMA node at its own rate; where the GPU's PCIe link
+leads to the same NUMA node, the faster of the two stands (a Grace GPU's PCIe link may read 2.5 GT/s,
+which no data crosses).
 """
 import re
 import xml.etree.ElementTree as ElementTree
@@ -20,6 +25,7 @@ from .units import format_bandwidth
 # bandwidthTest measures on an x16 slot: 12 GB/s)
 PCIE_LANE = {2.5: 0.2e9, 5.0: 0.4e9, 8.0: 0.75e9, 16.0: 1.5625e9, 32.0: 3.125e9, 64.0: 6.25e9}
 NVSWITCH_CLASS = "0x068000"
+CPU_NVLINK_CLASS = "0x068001"   # the far end of a POWER9 CPU's NVLinks
 
 
 def nvlink_rate(sm):
@@ -58,6 +64,11 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
     all_gpus = sorted(root.iter("gpu"), key=lambda g: _int(g, "dev", source))
     devs = [_int(g, "dev", source) for g in all_gpus]
     if len(set(devs)) < len(devs):
+        parts = sorted({g.get("mlopart") for g in all_gpus if g.get("mlopart") is not None})
+        if parts:
+            raise TopologyError(f"the GPUs are split into MLOPart partitions (<gpu mlopart={', '.join(parts)}>), "
+                                f"several ranks on one GPU; ddl models whole GPUs, one rank each: dump the XML "
+                                f"from a job without MLOPart", source)
         raise TopologyError("two <gpu> elements have the same dev; pass one node's XML", source)
     ranks = pick(all_gpus, gpus, dict(zip(devs, all_gpus)), "GPU", "--gpus", source, list(map(str, devs)))
     all_nets = list(root.iter("net"))
@@ -71,6 +82,7 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
         numa = cpu.get("numaid", "")
         known = re.fullmatch(r"0x[0-9a-f]+|[0-9]+", numa.strip(), re.I)
         vertex = reader.node(f"h{{h}}/numa{_int(cpu, 'numaid', source)}" if known else f"h{{h}}/cpu{k}", "cpu")
+        reader.cpu = vertex
         reader.walk(cpu, vertex, pcie)
     reader.nvlinks()
     reader.sockets(cpu_link)
@@ -81,10 +93,11 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
         "PCIe per lane what DMA achieves: Gen3 0.75 GB/s, Gen4 1.5625, Gen5 3.125 (--pcie)"
         ] + reader.assumptions(cpu_link, reader.nics, nic_bandwidth is not None)
     found = ", ".join(part for part in (
-        f"{len(ranks)} of {len(all_gpus)} GPUs as ranks", reader.nvlink_words(), reader.counts(),
+        f"{len(ranks)} of {len(all_gpus)} GPUs as ranks", reader.nvlink_words(), reader.cpu_link_words(),
+        reader.counts(),
         f"NICs {', '.join(n.get('name') for n in kept_nets)}" if kept_nets else None) if part)
     read = ("NCCL topology XML: the PCIe tree with every link's generation and width, the GPUs' NVLinks and "
-            "their counts, the NICs' speeds")
+            "their counts" + (", their C2C links' rates and counts" if reader.c2c else "") + ", the NICs' speeds")
     return reader.text(name, [_int(g, "dev", source) for g in ranks], reader.nics,
                        header(source, "NCCL topology XML", found, read, [a for a in assumed if a]))
 
@@ -115,6 +128,8 @@ class _Reader(NodeWriter):
         self.pending = []           # (GPU vertex, <gpu>) whose NVLinks are read once every GPU is known
         self.nics, self.nvlink_rates = [], set()
         self._switched, self._pairs = {}, {}
+        self.cpu = None             # the NUMA node vertex being walked
+        self.c2c, self.cpu_nvlinks = {}, {}    # GPU vertex -> its rate to its CPU by that link
 
     def walk(self, elem, parent, rate):
         """The children of ``elem``, which hangs from vertex ``parent`` by a link of ``rate``."""
@@ -145,9 +160,28 @@ class _Reader(NodeWriter):
         if gpu not in self.keep:
             return
         vertex = self.node(f"h{{h}}/gpu{_int(gpu, 'dev', self.source)}", "gpu")
-        self.link(vertex, parent, self._rate(pci, inherited))
+        pcie = self._rate(pci, inherited)
+        to_cpu = self._to_cpu(vertex, gpu)
+        if to_cpu and parent == self.cpu:
+            self.link(vertex, parent, max(pcie, to_cpu))
+        else:
+            self.link(vertex, parent, pcie)
+            if to_cpu:
+                self.link(vertex, self.cpu, to_cpu)
         self.gpu_at[pci.get("busid", "").lower()] = vertex
         self.pending.append((vertex, gpu))
+
+    def _to_cpu(self, vertex, gpu):
+        """The rate (bytes/s per direction) of ``gpu``'s own links to its CPU, 0 if it has none:
+        NVLink-C2C (``bw`` MB/s per link, ``count`` links) and NVLinks into a POWER9 CPU."""
+        c2c = sum(_int(c, "bw", self.source) * 1e6 * _int(c, "count", self.source) for c in gpu.iter("c2c"))
+        links = sum(_int(n, "count", self.source) for n in gpu.iter("nvlink")
+                    if n.get("tclass", "").lower() == CPU_NVLINK_CLASS)
+        if c2c:
+            self.c2c[vertex] = c2c
+        if links:
+            self.cpu_nvlinks[vertex] = links * self._nvlink_rate(gpu)
+        return c2c + self.cpu_nvlinks.get(vertex, 0)
 
     def _nic(self, nic, parent, pcie_rate):
         for net in nic.iter("net"):
@@ -165,11 +199,8 @@ class _Reader(NodeWriter):
     def nvlinks(self):
         """Every kept GPU's NVLinks: to another kept GPU, or into the NVSwitches (one vertex)."""
         for vertex, gpu in self.pending:
-            rate = self.nvlink or nvlink_rate(int(gpu.get("sm", "0") or 0))
             for link in gpu.iter("nvlink"):
-                if rate is None:
-                    raise TopologyError(f"<gpu dev={gpu.get('dev')!r} sm={gpu.get('sm')!r}> has NVLinks of no "
-                                        f"known rate: give --nvlink (e.g. 25GB/s)", self.source)
+                rate = self._nvlink_rate(gpu)
                 count = _int(link, "count", self.source)
                 target = link.get("target", "").lower()
                 if link.get("tclass", NVSWITCH_CLASS) == NVSWITCH_CLASS and target not in self.gpu_at:
@@ -181,6 +212,20 @@ class _Reader(NodeWriter):
             self.link(*sorted(pair), rate, count=count)
         if self._switched:
             self.nvswitch(list(self._switched), max(self.nvlink_rates), self._switched)
+
+    def _nvlink_rate(self, gpu):
+        rate = self.nvlink or nvlink_rate(int(gpu.get("sm", "0") or 0))
+        if rate is None:
+            raise TopologyError(f"<gpu dev={gpu.get('dev')!r} sm={gpu.get('sm')!r}> has NVLinks of no known "
+                                f"rate: give --nvlink (e.g. 25GB/s)", self.source)
+        return rate
+
+    def cpu_link_words(self):
+        """The header's words on GPUs joined to their CPU by C2C or NVLink."""
+        words = [f"{what} to the CPU on {len(rates)} GPU{'s' if len(rates) != 1 else ''} "
+                 f"({', '.join(sorted({format_bandwidth(r) for r in rates.values()}))})"
+                 for what, rates in (("NVLink-C2C", self.c2c), ("NVLink", self.cpu_nvlinks)) if rates]
+        return ", ".join(words) or None
 
     def nvlink_words(self):
         if self._switched:

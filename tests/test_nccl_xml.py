@@ -146,3 +146,73 @@ def test_a_nic_without_a_pci_element_hangs_from_its_cpu_at_its_speed():
     graph = topo.usable_graph()
     assert graph["h1/bond0"]["h1/numa0"]["capacity"] == 25e9 / 8 == graph["h1/bond0"]["fabric"]["capacity"]
     assert not any("mlx5" in v for v in graph)
+
+
+# A Grace machine as NCCL writes it (one GPU on the CPU's chip, a 200 Gbit/s NIC behind a Gen5 x4 link):
+# the GPU's PCIe link reads 2.5 GT/s, while its data goes over NVLink-C2C, 8 links of 43125 MB/s.
+GRACE = """<system version="1">
+  <cpu numaid="0" affinity="ffffffff" arch="arm64" vendor="ARM">
+    <pci busid="0000:01:00.0" class="0x020000" link_speed="32.0 GT/s PCIe" link_width="4">
+      <nic>
+        <net name="rocep1s0f0" dev="0" speed="200000" port="1" gdr="0"/>
+      </nic>
+    </pci>
+    <pci busid="000f:01:00.0" class="0x030200" link_speed="2.5 GT/s PCIe" link_width="16">
+      <gpu dev="0" sm="121" rank="0" gdr="0">
+        <c2c bw="43125" count="8"/>
+      </gpu>
+    </pci>
+  </cpu>
+</system>
+"""
+
+
+def header_of(text):
+    """The file's header as one line (it is wrapped at 100 columns)."""
+    return " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+
+
+def test_a_grace_gpu_reaches_its_cpu_through_c2c():
+    topo, text = imported(GRACE, hosts=2)
+    graph = topo.usable_graph()
+    assert graph["h0/gpu0"]["h0/numa0"]["capacity"] == 8 * 43125e6 == graph["h0/numa0"]["h0/gpu0"]["capacity"]
+    assert graph["h1/rocep1s0f0"]["h1/numa0"]["capacity"] == 12.5 * GB    # the NIC's Gen5 x4 link binds
+    head = header_of(text)
+    assert "NVLink-C2C to the CPU on 1 GPU (345 GB/s)" in head and "C2C links' rates and counts" in head
+    # two such machines: the NICs' links set the bound, not the GPU's 3.2 GB/s of PCIe
+    assert bounds.allreduce_bound(topo).seconds_per_byte == pytest.approx(1 / (12.5 * GB))
+    without, text = imported(GRACE.replace('<c2c bw="43125" count="8"/>', ""), hosts=2)
+    assert bounds.allreduce_bound(without).seconds_per_byte == pytest.approx(1 / (3.2 * GB))
+    assert "C2C" not in text
+
+
+def test_nvlinks_into_a_power9_cpu_join_the_gpu_to_it():
+    """NCCL names the far end of a POWER9 CPU's NVLinks by PCI class 0x068001; a GPU under a PCIe switch
+    keeps its PCIe link and gains one to its NUMA node."""
+    text = text_of("dgx1-v100.xml").replace(
+        '<nvlink target="0000:16:00.0" count="2" tclass="0x030200"/>',
+        '<nvlink target="0000:16:00.0" count="2" tclass="0x030200"/>\n'
+        '            <nvlink target="0000:00:00.0" count="3" tclass="0x068001"/>', 1)
+    topo, out = imported(text)
+    graph = topo.usable_graph()
+    assert graph["h0/gpu0"]["h0/numa0"]["capacity"] == 3 * 25 * GB
+    assert graph["h0/gpu0"]["h0/pcie0"]["capacity"] == 12 * GB
+    assert not graph.has_edge("h0/gpu1", "h0/numa0")
+    assert "NVLink to the CPU on 1 GPU (75 GB/s)" in header_of(out)
+    with pytest.raises(TopologyError, match="NVLinks of no known rate: give --nvlink"):
+        imported(text.replace('sm="70"', 'sm="0"', 1))
+
+
+def test_a_c2c_link_without_its_numbers_is_named():
+    with pytest.raises(TopologyError, match=r"<c2c> has bw='fast', not a number"):
+        imported(GRACE.replace('bw="43125"', 'bw="fast"'))
+
+
+def test_mlopart_partitions_are_refused_by_name():
+    """MLOPart lists one GPU as several <gpu> of one dev, a partition each."""
+    split = GRACE.replace('<gpu dev="0" sm="121" rank="0" gdr="0">',
+                          '<gpu dev="0" sm="121" mlopart="0" rank="0" gdr="0">').replace(
+        "      </gpu>\n", '      </gpu>\n      <gpu dev="0" sm="121" mlopart="1" rank="1" gdr="0"/>\n')
+    assert split.count("<gpu ") == 2
+    with pytest.raises(TopologyError, match=r"MLOPart partitions \(<gpu mlopart=0, 1>\)"):
+        imported(split)
