@@ -18,7 +18,7 @@ import re
 import xml.etree.ElementTree as ElementTree
 
 from .errors import TopologyError
-from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, pick
+from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, check_nvlink_domain, header, pick
 from .units import format_bandwidth
 
 # bytes/s per lane and direction that GPU DMA achieves, by the link's GT/s (3/4 of Gen3's raw rate, as
@@ -26,6 +26,7 @@ from .units import format_bandwidth
 PCIE_LANE = {2.5: 0.2e9, 5.0: 0.4e9, 8.0: 0.75e9, 16.0: 1.5625e9, 32.0: 3.125e9, 64.0: 6.25e9}
 NVSWITCH_CLASS = "0x068000"
 CPU_NVLINK_CLASS = "0x068001"   # the far end of a POWER9 CPU's NVLinks
+INVISIBLE = re.compile(r"f+:f+:f+(\.[0-9a-f])?")   # NCCL's target for an NVLink peer it cannot see (fffffff:ff:ff.0)
 
 
 def nvlink_rate(sm):
@@ -55,12 +56,15 @@ def read_xml(text, source="<stdin>"):
 
 
 def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFAULT_CPU_LINK, hosts=1,
-             nic_bandwidth=None, nics=None, gpus=None):
+             nic_bandwidth=None, nics=None, gpus=None, nvlink_domain=None):
     """The topology of ``hosts`` machines like the one ``root`` (from :func:`read_xml`) describes, as
     YAML text with its header. ``nvlink``, ``pcie`` and ``nic_bandwidth`` (bytes/s per direction)
     replace the file's rates; ``nics`` picks NIC ports by name, ``gpus`` the GPUs that are ranks by
-    ``dev`` (default: all). Raises :class:`TopologyError` where the file and options leave a rate
-    unknown or name what the machine lacks."""
+    ``dev`` (default: all); ``nvlink_domain`` hosts in a row share their NVSwitches (multi-node
+    NVLink). Raises :class:`TopologyError` where the file and options leave a rate unknown or name
+    what the machine lacks, and where the GPUs' NVSwitches lie outside the node (NCCL cannot see
+    them: multi-node NVLink, as in GB200 NVL72) but several hosts were asked for without saying how
+    many share them."""
     all_gpus = sorted(root.iter("gpu"), key=lambda g: _int(g, "dev", source))
     devs = [_int(g, "dev", source) for g in all_gpus]
     if len(set(devs)) < len(devs):
@@ -75,7 +79,8 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
     kept_nets = pick(all_nets, nics, {n.get("name"): n for n in all_nets}, "NIC", "--nics", source,
                      [n.get("name", "?") for n in all_nets])
     check_hosts(hosts, kept_nets, source, "the XML lists none; dump it on a node with its network cards")
-    reader = _Reader(root, source, hosts, set(ranks) | set(kept_nets), nvlink, pcie, nic_bandwidth)
+    reader = _Reader(root, source, hosts, set(ranks) | set(kept_nets), nvlink, pcie, nic_bandwidth,
+                     nvlink_domain or 1)
     for k, cpu in enumerate(root.findall("cpu")):
         if not reader.holds_kept(cpu):
             continue
@@ -85,6 +90,11 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
         reader.cpu = vertex
         reader.walk(cpu, vertex, pcie)
     reader.nvlinks()
+    check_nvlink_domain(hosts, nvlink_domain, reader._switched, source)
+    if reader.outside_nvswitches and hosts > 1 and nvlink_domain is None:
+        raise TopologyError(f"the GPUs' NVLinks lead to NVSwitches outside this node (multi-node NVLink, as in "
+                            f"GB200 NVL72), which other hosts may share: give --nvlink-domain N, the hosts per "
+                            f"NVLink domain (18 trays in an NVL72 rack; 1 if no two hosts share them)", source)
     reader.sockets(cpu_link)
     rates = sorted({format_bandwidth(r) for r in reader.nvlink_rates})
     assumed = ([f"NVLink {', '.join(rates)} per link" + ("" if nvlink else " (by compute capability; --nvlink)")]
@@ -121,14 +131,15 @@ def _pcie_rate(pci):
 class _Reader(NodeWriter):
     """Walks NCCL's tree, writing the devices it keeps and the switches above them."""
 
-    def __init__(self, root, source, hosts, keep, nvlink, pcie, nic_bandwidth):
-        super().__init__(hosts)
+    def __init__(self, root, source, hosts, keep, nvlink, pcie, nic_bandwidth, nvlink_domain):
+        super().__init__(hosts, nvlink_domain)
         self.source, self.keep, self.nvlink, self.pcie, self.nic_bandwidth = source, keep, nvlink, pcie, nic_bandwidth
         self.gpu_at = {}            # busid -> GPU vertex, for NVLink targets
         self.pending = []           # (GPU vertex, <gpu>) whose NVLinks are read once every GPU is known
         self.nics, self.nvlink_rates = [], set()
         self._switched, self._pairs = {}, {}
         self.cpu = None             # the NUMA node vertex being walked
+        self.outside_nvswitches = False    # NVLinks into switches this node does not see (multi-node NVLink)
         self.c2c, self.cpu_nvlinks = {}, {}    # GPU vertex -> its rate to its CPU by that link
 
     def walk(self, elem, parent, rate):
@@ -205,6 +216,7 @@ class _Reader(NodeWriter):
                 target = link.get("target", "").lower()
                 if link.get("tclass", NVSWITCH_CLASS) == NVSWITCH_CLASS and target not in self.gpu_at:
                     self._switched[vertex] = self._switched.get(vertex, 0) + count
+                    self.outside_nvswitches |= bool(INVISIBLE.fullmatch(target))
                 elif target in self.gpu_at:
                     self._pairs.setdefault(frozenset((vertex, self.gpu_at[target])), (count, rate))
                 self.nvlink_rates.add(rate)
@@ -229,5 +241,6 @@ class _Reader(NodeWriter):
 
     def nvlink_words(self):
         if self._switched:
-            return f"NVSwitch ({'/'.join(map(str, sorted(set(self._switched.values()))))} links per GPU)"
+            return (f"NVSwitch ({'/'.join(map(str, sorted(set(self._switched.values()))))} links per GPU"
+                    + (", the switches outside the node)" if self.outside_nvswitches else ")"))
         return f"NVLink between {len(self._pairs)} GPU pairs" if self._pairs else None

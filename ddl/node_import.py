@@ -18,10 +18,11 @@ FABRIC_LATENCY = "2 us"         # one switch hop of InfiniBand class
 
 
 class NodeWriter:
-    """The vertices and links of one machine, repeated on ``hosts`` hosts."""
+    """The vertices and links of one machine, repeated on ``hosts`` hosts; ``nvlink_domain`` hosts in a
+    row share their NVSwitches (multi-node NVLink), 1 when every host has its own."""
 
-    def __init__(self, hosts):
-        self.hosts = hosts
+    def __init__(self, hosts, nvlink_domain=1):
+        self.hosts, self.nvlink_domain = hosts, nvlink_domain
         self.nodes, self.links, self.switches, self.cpus = [], [], [], []
         self.node("h{h}", "host")
 
@@ -45,10 +46,20 @@ class NodeWriter:
         return vertex
 
     def nvswitch(self, gpus, rate, counts):
-        """One vertex for the machine's NVSwitches, ``counts[g]`` links of ``rate`` from each GPU."""
-        hub = self.node("h{h}/nvswitch", "switch")
+        """One vertex for the machine's NVSwitches, ``counts[g]`` links of ``rate`` from each GPU; with
+        NVLink domains of several hosts, one vertex ``nvlink{d}`` for each domain's NVSwitches."""
+        if self.nvlink_domain == 1:
+            hub = self.node("h{h}/nvswitch", "switch")
+            for g in gpus:
+                self.link(g, hub, rate, count=counts[g])
+            return
+        self.nodes.append({"id": "nvlink{d}", "kind": "switch", "for": {"d": self.hosts // self.nvlink_domain}})
+        domain_of = [[h, h // self.nvlink_domain] for h in range(self.hosts)]
         for g in gpus:
-            self.link(g, hub, rate, count=counts[g])
+            entry = {"a": g.replace("{h}", "{p[0]}"), "b": "nvlink{p[1]}", "bandwidth": bandwidth_text(rate)}
+            if counts[g] != 1:
+                entry["count"] = counts[g]
+            self.links.append({**entry, "for": {"p": domain_of}})
 
     def sockets(self, rate):
         """Every NUMA node's link to the others: one link between two, a switch among more."""
@@ -74,6 +85,9 @@ class NodeWriter:
                          f"rate")
         if self.hosts > 1:
             words.append(f"{self.hosts} hosts on one non-blocking switch `fabric` ({FABRIC_LATENCY})")
+        if self.nvlink_domain > 1:
+            words.append(f"NVLink domains of {self.nvlink_domain} hosts (--nvlink-domain): the NVSwitches of a "
+                         f"domain's hosts are one non-blocking switch `nvlink{{d}}`")
         return words
 
     def text(self, name, gpus, nics, header):
@@ -110,6 +124,18 @@ def pick(items, wanted, by_name, what, option, source, listed):
                             f"{', '.join(listed) or 'none'}", source)
     chosen = {by_name[w] for w in wanted}
     return [d for d in items if d in chosen]
+
+
+def check_nvlink_domain(hosts, domain, switched, source):
+    """``domain`` hosts (None: not given) share NVSwitches: whole domains, on a machine that has some."""
+    if domain is None or domain == 1:
+        return
+    if hosts % domain:
+        raise TopologyError(f"--nvlink-domain {domain} must divide --hosts {hosts}: the job takes whole NVLink "
+                            f"domains", source)
+    if not switched:
+        raise TopologyError(f"--nvlink-domain {domain}: hosts share NVLink through NVSwitches, and this "
+                            f"machine's GPUs have none", source)
 
 
 def check_hosts(hosts, nics, source, why):

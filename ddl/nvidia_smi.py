@@ -22,7 +22,7 @@ from collections import namedtuple
 import networkx as nx
 
 from .errors import TopologyError
-from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, header, pick
+from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, check_nvlink_domain, header, pick
 from .units import format_bandwidth
 
 # PCIe path kinds, shortest first; SOC is what drivers before 2017 called SYS.
@@ -109,14 +109,15 @@ def _nvlinks(cell):
 
 
 def topology(matrix, name, gpu=None, nvlink=None, pcie=None, cpu_link=DEFAULT_CPU_LINK, hosts=1,
-             nic_bandwidth=None, nics=None, gpus=None, nvswitch="auto"):
+             nic_bandwidth=None, nics=None, gpus=None, nvswitch="auto", nvlink_domain=None):
     """The topology of ``hosts`` machines like ``matrix``'s, as a YAML text with its header comment.
 
     ``gpu`` names a preset of :data:`GPU_PRESETS` for the NVLink and PCIe rates; ``nvlink`` (per link)
     and ``pcie`` (bytes/s per direction) override it. ``nic_bandwidth`` puts the NICs in the file (each
     on its PCIe switch; with ``hosts > 1`` every NIC links to one non-blocking switch ``fabric``);
     ``nics`` picks them by column or legend name (default: all), ``gpus`` the GPUs that are ranks by
-    index (default: all). ``nvswitch`` is ``'auto'``, ``'yes'`` or ``'no'``. Raises
+    index (default: all). ``nvswitch`` is ``'auto'``, ``'yes'`` or ``'no'``; ``nvlink_domain`` hosts in a
+    row share their NVSwitches (multi-node NVLink; default: each host its own). Raises
     :class:`TopologyError` for what the matrix and the options cannot make into a topology."""
     source = matrix.source
     all_gpus = [d for d in matrix.devices if _is_gpu(d)]
@@ -134,7 +135,8 @@ def topology(matrix, name, gpu=None, nvlink=None, pcie=None, cpu_link=DEFAULT_CP
     check_hosts(hosts, chosen_nics, source, "the matrix lists none; run nvidia-smi on a node with its "
                                             "network cards installed")
     switched = _nvswitch(matrix, all_gpus, nvswitch)
-    b = _Builder(matrix, hosts, pcie, nic_bandwidth)
+    check_nvlink_domain(hosts, nvlink_domain, switched, source)
+    b = _Builder(matrix, hosts, pcie, nic_bandwidth, nvlink_domain or 1)
     b.place(ranks + chosen_nics)
     b.nvlinks(ranks, nvlink, switched)
     b.sockets(cpu_link)
@@ -191,8 +193,8 @@ def _nvswitch(matrix, gpus, mode):
 class _Builder(NodeWriter):
     """The machine the matrix implies: its devices in PCIe trees under their NUMA nodes."""
 
-    def __init__(self, matrix, hosts, pcie, nic_bandwidth):
-        super().__init__(hosts)
+    def __init__(self, matrix, hosts, pcie, nic_bandwidth, nvlink_domain):
+        super().__init__(hosts, nvlink_domain)
         self.matrix, self.pcie, self.nic_bandwidth = matrix, pcie, nic_bandwidth
 
     def vid(self, device):

@@ -216,3 +216,65 @@ def test_mlopart_partitions_are_refused_by_name():
     assert split.count("<gpu ") == 2
     with pytest.raises(TopologyError, match=r"MLOPart partitions \(<gpu mlopart=0, 1>\)"):
         imported(split)
+
+
+def tray(gpus=4):
+    """A compute tray of a multi-node NVLink rack as NCCL writes it: two Grace CPUs with two GPUs each
+    (C2C), every GPU's 18 NVLinks into NVSwitches outside the tray (a target NCCL cannot see), a 400
+    Gbit/s NIC per GPU on its CPU's Gen5 x16."""
+    cpus = []
+    for c in range(2):
+        devices = []
+        for k in range(gpus // 2):
+            g = c * (gpus // 2) + k
+            devices.append(f"""    <pci busid="000{c}:0{k + 1}:00.0" class="0x030200" link_speed="32.0 GT/s PCIe" link_width="16">
+      <gpu dev="{g}" sm="100" rank="{g}" gdr="1">
+        <nvlink target="fffffff:ff:ff.0" count="18" tclass="0x068000"/>
+        <c2c bw="44712" count="5"/>
+      </gpu>
+    </pci>
+    <pci busid="000{c}:0{k + 3}:00.0" class="0x020700" link_speed="32.0 GT/s PCIe" link_width="16">
+      <nic>
+        <net name="mlx5_{g}" dev="{g}" speed="400000" port="1" gdr="1"/>
+      </nic>
+    </pci>""")
+        cpus.append(f'  <cpu numaid="{c}" affinity="ffffffff" arch="arm64" vendor="ARM">\n' + "\n".join(devices)
+                    + "\n  </cpu>")
+    return '<system version="1">\n' + "\n".join(cpus) + "\n</system>\n"
+
+
+def test_hosts_that_share_their_nvswitches_join_through_them():
+    topo, text = imported(tray(), hosts=4, nvlink_domain=2)
+    assert {v for v in topo.nodes if v.startswith("nvlink")} == {"nvlink0", "nvlink1"}
+    graph = topo.usable_graph()
+    assert graph["h1/gpu3"]["nvlink0"]["capacity"] == 18 * 50 * GB and graph["h2/gpu0"].get("nvlink1")
+    assert not any(v.endswith("/nvswitch") for v in topo.nodes)
+    rank = {v: i for i, v in enumerate(topo.ranks)}
+    assert topo.route_bandwidth(rank["h0/gpu0"], rank["h1/gpu2"]) == 900 * GB     # one NVLink domain
+    assert topo.route_bandwidth(rank["h0/gpu0"], rank["h2/gpu0"]) == 50 * GB      # across: the NICs
+    head = header_of(text)
+    assert "the switches outside the node" in head and "NVLink domains of 2 hosts (--nvlink-domain)" in head
+    # the allreduce bound (seconds per byte): the cut between domains, crossed by the 16 NICs' 50 GB/s
+    # twice per domain boundary (2(k-1) crossings for k domains); in one domain, every GPU's own links
+    # (NVLink 900 GB/s and C2C 5 x 44.712) 2(p-1) times
+    def bound(domain):
+        return bounds.allreduce_bound(imported(tray(), hosts=4, nvlink_domain=domain)[0]).seconds_per_byte
+    assert bound(1) == pytest.approx(6 / (16 * 50 * GB))
+    assert bound(2) == pytest.approx(2 / (16 * 50 * GB))
+    assert bound(4) == pytest.approx(30 / (16 * (900 + 5 * 44.712) * GB))
+
+
+@pytest.mark.parametrize("text, options, words", [
+    (tray(), {"hosts": 4}, "NVSwitches outside this node (multi-node NVLink, as in GB200 NVL72), which other "
+                           "hosts may share: give --nvlink-domain N"),
+    (tray(), {"hosts": 4, "nvlink_domain": 3}, "--nvlink-domain 3 must divide --hosts 4"),
+    (text_of("dgx1-v100.xml"), {"hosts": 2, "nvlink_domain": 2}, "this machine's GPUs have none"),
+])
+def test_nvlink_domains_that_cannot_be_are_refused(text, options, words):
+    with pytest.raises(TopologyError, match=re.escape(words)):
+        imported(text, **options)
+
+
+def test_one_tray_alone_needs_no_domain():
+    topo, _ = imported(tray())
+    assert topo.nranks == 4 and "h0/nvswitch" in topo.nodes

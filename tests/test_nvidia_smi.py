@@ -72,6 +72,18 @@ def test_dgx_a100_boxes_reach_forestcolls_optimum(hosts, algbw, limiting):
     assert graph["h0/numa3"]["h0/smp"]["capacity"] == 38.4 * GB              # 4 NUMA nodes: one switch
 
 
+def test_boxes_that_share_their_nvswitches():
+    """--nvlink-domain: two boxes on one NVLink fabric (multi-node NVLink) plan as one NVSwitch of 16."""
+    topo, text = imported("dgx-a100.txt", gpu="a100", hosts=2, nic_bandwidth=200e9 / 8, nics=COMPUTE_NICS,
+                          nvlink_domain=2)
+    graph = topo.usable_graph()
+    assert graph["h1/gpu3"]["nvlink0"]["capacity"] == 12 * 25 * GB and "h0/nvswitch" not in graph
+    assert topo.route_bandwidth(0, 8) == 12 * 25 * GB
+    assert "NVLink domains of 2 hosts" in text.replace("\n#   ", " ")
+    with pytest.raises(TopologyError, match="this machine's GPUs have none"):
+        imported("pcie-8gpu.txt", gpu="h100", hosts=2, nic_bandwidth=25 * GB, nvlink_domain=2)
+
+
 def test_all_nics_of_a_box_unless_picked():
     topo, _ = imported("dgx-a100.txt", gpu="a100", hosts=2, nic_bandwidth=25 * GB)
     assert sum(1 for v in topo.nodes if topo.kind(v) == "nic") == 2 * 10
@@ -201,7 +213,9 @@ def test_cli_reads_standard_input_and_says_mistakes_in_one_line(tmp_path):
     assert Topology.from_dict(yaml.safe_load(r.stdout)).name == "box"
     for args, words in [(["-"], "how fast PCIe is"), (["-", "--gpu", "a100", "--hosts", "3"], "--nic-bandwidth"),
                         (["missing.txt", "--gpu", "a100"], "missing.txt"),
-                        (["-", "--gpu", "a100", "--pcie", "0GB/s"], "positive bandwidth")]:
+                        (["-", "--gpu", "a100", "--pcie", "0GB/s"], "positive bandwidth"),
+                        (["-", "--gpu", "a100", "--hosts", "3", "--nic-bandwidth", "25GB/s", "--nvlink-domain", "2"],
+                         "--nvlink-domain 2 must divide --hosts 3")]:
         r = ddl("topo", "import", *args, stdin=text, cwd=tmp_path)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 or "usage:" in r.stderr

@@ -102,6 +102,9 @@ def register(subparsers):
                    help="the NICs that carry the job, by name (mlx5_0,mlx5_1; nvidia-smi: or column; default all)")
     p.add_argument("--gpus", type=list_of(int), metavar="LIST",
                    help="the GPUs that are ranks, by index (0,1,4,5; default all)")
+    p.add_argument("--nvlink-domain", type=at_least(1), metavar="N",
+                   help="multi-node NVLink: N hosts in a row share their NVSwitches (18 trays of a GB200 NVL72 "
+                        "rack; default: each host its own); must divide --hosts")
     p.add_argument("--nvswitch", choices=("auto", "yes", "no"), default="auto",
                    help="nvidia-smi: whether the GPUs' NVLinks go through NVSwitches (auto: when every "
                         "pair shows the same NV# and more links than a GPU has)")
@@ -663,7 +666,7 @@ def cmd_import(args):
         raise Error(f"{source}: not text; give the output of `nvidia-smi topo -m` or NCCL's topology XML") from None
     name = args.name or os.path.splitext(os.path.basename(args.output or source))[0].strip("<>")
     common = dict(nvlink=args.nvlink, pcie=args.pcie, cpu_link=args.cpu_link, hosts=args.hosts,
-                  nic_bandwidth=args.nic_bandwidth, nics=args.nics, gpus=args.gpus)
+                  nic_bandwidth=args.nic_bandwidth, nics=args.nics, gpus=args.gpus, nvlink_domain=args.nvlink_domain)
     if text.lstrip().startswith("<"):
         matrix_only = [option for option, given in (("--gpu", args.gpu), ("--nvswitch", args.nvswitch != "auto"))
                        if given]
