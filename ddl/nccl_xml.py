@@ -92,9 +92,9 @@ def topology(root, name, source="<stdin>", nvlink=None, pcie=None, cpu_link=DEFA
     reader.nvlinks()
     check_nvlink_domain(hosts, nvlink_domain, reader._switched, source)
     if reader.outside_nvswitches and hosts > 1 and nvlink_domain is None:
-        raise TopologyError(f"the GPUs' NVLinks lead to NVSwitches outside this node (multi-node NVLink, as in "
-                            f"GB200 NVL72), which other hosts may share: give --nvlink-domain N, the hosts per "
-                            f"NVLink domain (18 trays in an NVL72 rack; 1 if no two hosts share them)", source)
+        raise TopologyError("the GPUs' NVLinks lead to NVSwitches outside this node (multi-node NVLink, as in "
+                            "GB200 NVL72), which other hosts may share: give --nvlink-domain N, the hosts per "
+                            "NVLink domain (18 trays in an NVL72 rack; 1 if no two hosts share them)", source)
     reader.sockets(cpu_link)
     rates = sorted({format_bandwidth(r) for r in reader.nvlink_rates})
     assumed = ([f"NVLink {', '.join(rates)} per link" + ("" if nvlink else " (by compute capability; --nvlink)")]
