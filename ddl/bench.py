@@ -626,7 +626,7 @@ def run(opts, world=None, out=None, err=None):
             json.dump(rows, out, indent=2)
             out.write("\n")
         else:
-            print_summary(rows, out)
+            print_summary(rows, out, emulated=bool(os.environ.get("DDL_EMULATED_CLUSTER")))
         out.flush()
         status = 1 if any(r["wrong"] for r in rows) else 0
         if opts.plot:
@@ -977,6 +977,7 @@ def _header(opts, topo, model, nranks, impls, memory):
              f"(+{opts.warmup} warm-up) per size and implementation; time = median over iterations of the "
              f"slowest rank (barrier before each)",
              f"# implementations: {', '.join(names)}",
-             "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm"]
+             "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm of "
+             "point-to-point transfers at the file's link rates"]
     title = f"allreduce {opts.dtype}, {nranks} ranks, " + (topo.name if topo is not None else "flat")
     return {"lines": lines, "title": title}

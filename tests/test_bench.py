@@ -325,6 +325,30 @@ def test_every_algorithm_name_fits_its_column():
         assert line.index(name) + len(name) < header.index("predicted"), (name, line)
 
 
+def test_a_time_under_the_bound_is_footnoted_with_its_cause():
+    """On an emulated cluster small sizes pass the shapers' buckets unshaped; elsewhere a fabric faster
+    than its file, or SHARP, can beat a bound made for point-to-point transfers."""
+    import io
+    from ddl.bench_report import print_summary
+
+    def row(impl, seconds, bound=1e-3):
+        return {"bytes": 16384, "count": 4096, "dtype": "float32", "op": "sum", "impl": impl, "seconds": seconds,
+                "algbw": 1e6, "busbw": 1e6, "wrong": 0, "algorithm": "ring" if impl == "ddl" else "-",
+                "predicted_seconds": None, "bound_seconds": bound}
+
+    def summary(rows, emulated):
+        out = io.StringIO()
+        print_summary(rows, out, emulated=emulated)
+        return [line for line in out.getvalue().splitlines() if "under the bound" in line]
+
+    rows = [row("ddl", 2.65e-3), row("mpi", 0.68e-3), row("gloo", 0.99e-3)]
+    emulated, = summary(rows, True)
+    assert "mpi at 16 KiB (0.68)" in emulated and "gloo" not in emulated and "token bucket" in emulated
+    real, = summary(rows, False)
+    assert "mpi at 16 KiB (0.68)" in real and "SHARP" in real
+    assert summary([row("ddl", 1e-3), row("mpi", 0.99e-3), row("x", 0.5e-3, bound=None)], True) == []
+
+
 # ---- a job's ranks end together --------------------------------------------------------------------------
 def _descendants(pid):
     """Every process below ``pid`` (Linux /proc): MPI launchers start the ranks in sessions of their
