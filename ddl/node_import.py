@@ -33,10 +33,7 @@ class NodeWriter:
         return vertex
 
     def link(self, a, b, bandwidth, count=1):
-        entry = {"a": a, "b": b, "bandwidth": bandwidth_text(bandwidth)}
-        if count != 1:
-            entry["count"] = count
-        self.links.append(_per_host(entry, self.hosts))
+        self.links.append(_per_host(_link_entry(a, b, bandwidth, count), self.hosts))
 
     def switch(self, above, rate):
         """A new PCIe switch linked to ``above`` at ``rate``."""
@@ -56,9 +53,7 @@ class NodeWriter:
         self.nodes.append({"id": "nvlink{d}", "kind": "switch", "for": {"d": self.hosts // self.nvlink_domain}})
         domain_of = [[h, h // self.nvlink_domain] for h in range(self.hosts)]
         for g in gpus:
-            entry = {"a": g.replace("{h}", "{p[0]}"), "b": "nvlink{p[1]}", "bandwidth": bandwidth_text(rate)}
-            if counts[g] != 1:
-                entry["count"] = counts[g]
+            entry = _link_entry(g.replace("{h}", "{p[0]}"), "nvlink{p[1]}", rate, counts[g])
             self.links.append({**entry, "for": {"p": domain_of}})
 
     def sockets(self, rate):
@@ -142,6 +137,13 @@ def check_hosts(hosts, nics, source, why):
     """Several hosts need NICs to be joined by; ``why`` says how to get them."""
     if hosts > 1 and not nics:
         raise TopologyError(f"{hosts} hosts are joined through their NICs: {why}", source)
+
+
+def _link_entry(a, b, bandwidth, count):
+    entry = {"a": a, "b": b, "bandwidth": bandwidth_text(bandwidth)}
+    if count != 1:
+        entry["count"] = count
+    return entry
 
 
 def _per_host(entry, hosts, **loops):
