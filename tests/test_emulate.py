@@ -810,3 +810,30 @@ def test_sigterm_to_bench_emulate_tears_the_cluster_down(tmp_path):
         bench.wait()
         _wait_for(lambda: not state.exists(), 60)       # an orphaned child ends its run
         _clean(name, state, tag)
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_probe_finds_the_link_slower_than_its_file(tmp_path):
+    """``ddl topo probe`` on an emulated cluster whose NICs run at 200 Mbit/s, against a file that says
+    400: the placement holds, ranks on one host are not judged wrong, and the pair between the hosts
+    measures half the file's rate and names the links that bound it in the file."""
+    name, path, state = _cluster_file(tmp_path, "probe")           # 2 hosts x 2 ranks, 200 Mbit/s NICs
+    claimed = tmp_path / "claimed.json"
+    small("claimed", rate=400 * MBIT).dump(claimed)
+    before = set(netns.list_namespaces())
+    try:
+        res = subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", path, "--no-check", "--",
+                              sys.executable, "-m", "ddl", "topo", "probe", str(claimed), "--json"],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+        assert set(netns.list_namespaces()) == before and not state.exists()     # torn down
+        assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+        doc = json.loads(res.stdout[res.stdout.index("{"):])
+        assert doc["placement"] == [] and doc["ok"] is False
+        pairs = {f["class"]: f for f in doc["findings"] if f["what"] == "bandwidth"}
+        between = pairs["between hosts"]
+        assert not between["ok"] and 0.4 < between["ratio"] < 0.6, between
+        assert [b[:2] for b in between["bottleneck"]] == [["n0", "sw"], ["sw", "n1"]]
+        assert pairs["same host"]["measured"] > 10 * between["measured"]
+    finally:
+        _clean(name, state)

@@ -8,6 +8,7 @@
 * ``ddl topo draw FILE -o out.png`` draws the fabric in layers: ranks at the bottom, then every vertex
   at its hop distance from the ranks (PCIe switches, hosts, NICs, leaf switches, spines); link width
   grows with the logarithm of the bandwidth and colour encodes it too.
+* ``ddl topo probe FILE`` measures the fabric under an MPI job against the file (:mod:`ddl.probe`).
 * ``ddl topo import FILE -o cluster.yaml`` writes a topology file from one node's ``nvidia-smi topo
   -m`` (:mod:`ddl.nvidia_smi`) or NCCL's topology XML (:mod:`ddl.nccl_xml`), for as many such nodes
   as ``--hosts`` says.
@@ -41,9 +42,10 @@ MAX_DPI = 1200             # ddl topo draw --dpi: beyond this a raster image of 
 
 def register(subparsers):
     parser = subparsers.add_parser(
-        "topo", help="validate, show and draw topology files",
-        description="Validate, inspect and draw topology files (YAML or JSON; see topologies/), or make "
-                    "one from `nvidia-smi topo -m` or NCCL's topology XML.")
+        "topo", help="validate, show, draw, import and probe topology files",
+        description="Validate, inspect and draw topology files (YAML or JSON; see topologies/), make "
+                    "one from `nvidia-smi topo -m` or NCCL's topology XML, or measure the fabric under "
+                    "an MPI job against one.")
     sub = parser.add_subparsers(dest="topo_command", metavar="SUBCOMMAND")
     parser.set_defaults(func=lambda args: _no_subcommand(parser))
 
@@ -109,6 +111,9 @@ def register(subparsers):
                    help="nvidia-smi: whether the GPUs' NVLinks go through NVSwitches (auto: when every "
                         "pair shows the same NV# and more links than a GPU has)")
     p.set_defaults(func=cmd_import)
+
+    from .topo_probe import add_parser
+    add_parser(sub)
 
 
 def _rate(option):

@@ -1,0 +1,101 @@
+"""``ddl topo probe FILE``: measure the fabric a job runs on against its topology file (:mod:`ddl.probe`).
+
+    mpiexec -n 16 -hosts node0:8,node1:8 ddl topo probe cluster.yaml
+    ddl topo probe cluster.yaml                     # launches mpiexec -n <ranks> on this machine
+    ddl emulate run cluster.yaml -- python -m ddl topo probe cluster.yaml
+
+Exit status 0 when the fabric is as the file says, 1 when a measurement or the placement differs from
+it, 2 on a usage error (a missing file, a job of the wrong size).
+"""
+import os
+import sys
+
+from ..errors import Error
+from .argtypes import at_least, reported
+from .bench import _abort, _child, under_mpi
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "probe", help="measure the fabric under a job against its topology file",
+        description="Measure what the fabric carries between the job's ranks and compare it with FILE: "
+                    "the ranks' placement on machines, the bandwidth and latency of one rank pair per "
+                    "class of route (same bottleneck bandwidth, latency and hops), and each host's "
+                    "reduction rate. Host buffers, MPI point-to-point, one pair at a time. Run it under "
+                    "mpiexec as the training job would be, or alone (it launches mpiexec on this "
+                    "machine). Exit status 1 when the fabric differs from FILE, 2 on a usage error.")
+    p.add_argument("file", nargs="?", metavar="FILE", help="topology file (default: $DDL_TOPOLOGY)")
+    p.add_argument("--per-class", type=at_least(1), default=1, metavar="N",
+                   help="rank pairs to measure per route class, each on hosts no earlier pair covered "
+                        "where one is left (default 1; as many as there are hosts checks every NIC)")
+    p.add_argument("--repeats", type=at_least(1), default=2, metavar="N",
+                   help="timed transfers per pair; the best counts (default 2)")
+    p.add_argument("--tolerance", type=reported(_tolerance), default=0.15, metavar="T",
+                   help="how far a measurement may lie from the file, either way: 15%% or 0.15 (default)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=cmd_probe)
+
+
+def _tolerance(text):
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 < value < 10:
+        raise ValueError(f"a fraction above 0 such as 0.15 or 15%, got {text!r}")
+    return value
+
+
+def _topology(args):
+    file = args.file or os.environ.get("DDL_TOPOLOGY")
+    if not file:
+        raise Error("give the topology FILE to probe against (or set DDL_TOPOLOGY)")
+    from ..topology import Topology
+    return Topology.load(file)
+
+
+def cmd_probe(args):
+    if under_mpi():
+        return _in_job(args)
+    topo = _topology(args)
+    from ..emulate.launch import find_mpiexec
+    n = topo.nranks
+    argv = [topo.source, "--per-class", str(args.per_class), "--repeats", str(args.repeats),
+            "--tolerance", repr(args.tolerance)] + (["--json"] if args.json else [])
+    print(f"ddl topo probe: not under mpiexec: launching {n} rank{'s' if n != 1 else ''} on this machine "
+          f"(for a cluster, run it under mpiexec with your job's host list)", file=sys.stderr, flush=True)
+    return _child([find_mpiexec(), "-n", str(n), sys.executable, "-m", "ddl", "topo", "probe", *argv])
+
+
+def _in_job(args):
+    """One rank of the probe job: every rank agrees on the file first, then measures; rank 0 reports.
+    Every rank exits with the report's status."""
+    from mpi4py import MPI
+
+    from .. import probe
+    from ..bench import JobError, agree
+    world = MPI.COMM_WORLD
+    try:
+        topo = agree(world, lambda: _checked(_topology(args), world.size))
+        classes = probe.pair_classes(topo, args.per_class)
+        result = probe.measure(world, topo, classes, args.repeats)
+        ok = None
+        if world.rank == 0:
+            machines, pairs, reduces = result
+            found = probe.findings(topo, classes, pairs, reduces, args.tolerance)
+            ok = probe.report(topo, classes, found, probe.placement_problems(topo, machines), sys.stdout,
+                              as_json=args.json)
+            sys.stdout.flush()
+        return 0 if world.bcast(ok, root=0) else 1
+    except JobError as exc:
+        if exc.speaks:
+            raise
+        return 2
+    except BaseException as exc:
+        if world.size == 1:
+            raise
+        _abort(world, exc)
+
+
+def _checked(topo, size):
+    if topo.nranks != size:
+        raise Error(f"{topo.source} has {topo.nranks} ranks but the job has {size}: launch "
+                    f"mpiexec -n {topo.nranks}")
+    return topo
