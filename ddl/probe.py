@@ -20,7 +20,12 @@ What it measures
   best of ``repeats`` counts. The class passes when it is within ``tolerance`` of the file's rate;
   faster fails too (the plan then balances its links by the wrong weights). A failing class names
   the links that bound its route in the file: the ones to check.
-* **Latency** of the same pairs: half the median round trip of 8-byte messages, beside the sum of the
+* **All at once** (:func:`host_patterns`): every host's first rank sends to the host 1, then H/2,
+  further in host order, all at the same time, so that the links above the hosts carry what their
+  hosts send through them together (a rack's uplink, which a pair alone may never fill). The time
+  until the last flow is in is judged against the file's: each flow at its busiest link's capacity
+  shared by the flows on it.
+* **Latency** of the pairs alone: half the median round trip of 8-byte messages, beside the sum of the
   file's link latencies along the route. Reported, not judged: it includes MPI's software time.
 * **Reduction rate**: ``numpy.add`` of two float32 arrays as the executor runs it (bytes of one operand
   per second), on every rank at once as in a collective (a host's ranks share its memory and cores),
@@ -46,6 +51,7 @@ TOLERANCE = 0.15
 REPEATS = 2
 PINGS = 30
 REDUCE_BYTES = 64 << 20
+REDUCE_ROUNDS = 9
 GPU_PAIR_SKIP = "GPUs on one host: host memory does not take their links (NVLink, PCIe peer copies)"
 
 
@@ -68,8 +74,9 @@ class PairClass:
 
 @dataclass
 class Finding:
-    """One measured item against the file: a pair of a class, or a host's reduction rate."""
-    what: str               # "bandwidth" or "reduce"
+    """One measured item against the file: a pair of a class, a pattern of flows at once, or a host's
+    reduction rate."""
+    what: str               # "bandwidth" (a pair alone), "pattern" (flows at once) or "reduce"
     label: str
     where: str
     expected: float         # bytes/s, or None when the file sets no finite figure
@@ -100,8 +107,15 @@ class Finding:
         if self.what == "reduce":
             return (f"{self.where}: reductions run at {got}, the file says {format_bandwidth(self.expected)}: "
                     f"set reduce_bandwidth of its ranks (or defaults.reduce_bandwidth) to about {got}")
-        links = ", ".join(f"{u} -> {v} ({format_bandwidth(c)})" for u, v, c in self.bottleneck)
         one = len(self.bottleneck) == 1
+        if self.what == "pattern":
+            links = ", ".join(f"{u} -> {v} ({format_bandwidth(c)}, {n:g} flow{'' if n == 1 else 's'})"
+                              for u, v, c, n in self.bottleneck)
+            return (f"{self.label} {self.where}: each flow measured {got}; in the file the busiest "
+                    f"link{'' if one else 's'} {'is' if one else 'are'} {links}: where pairs alone measure as "
+                    f"the file says, a link that these flows share carries less than the file says "
+                    f"(an oversubscribed uplink, a switch that is not non-blocking)")
+        links = ", ".join(f"{u} -> {v} ({format_bandwidth(c)})" for u, v, c in self.bottleneck)
         return (f"{self.label} {self.where}: measured {got}; in the file the route is bounded by {links}: if "
                 f"{'that link carries' if one else 'those links carry'} {got}, set {'its' if one else 'their'} "
                 f"bandwidth so; if not, something else on the route holds it back (another job's traffic, "
@@ -163,6 +177,41 @@ def _spread(topo, pairs, limit):
             chosen.append(pair)
             covered |= hosts
     return chosen
+
+
+@dataclass
+class Pattern:
+    """Host leaders all sending at once, each to the host ``shift`` further in host order: loads the
+    links that single pairs never fill (a rack's uplink shared by its hosts)."""
+    shift: int
+    flows: list             # [(i, j)]: rank i sends to rank j, all at once
+    rate: float             # bytes/s of each flow by the file: the busiest link's capacity / its flows
+    busiest: list           # [(u, v, capacity, flows on it)]: the links that set it
+
+    label = "all at once"
+
+
+def host_patterns(topo):
+    """:class:`Pattern` for shifts 1 and H/2 among the H host leaders (one when they coincide, none
+    below two hosts). In host order, shift 1 mostly stays near, H/2 mostly crosses the top of the
+    fabric: both directions of every host's links carry one flow, the links above them as many as
+    their hosts send through them."""
+    leaders = _leaders(topo)
+    h = len(leaders)
+    out = []
+    for shift in sorted({1, h // 2}) if h >= 2 else ():
+        flows = [(leaders[k], leaders[(k + shift) % h]) for k in range(h)]
+        load = {}
+        for i, j in flows:
+            routes = topo.routes(i, j)
+            for path in routes:
+                for u, v in zip(path, path[1:]):
+                    load[(u, v)] = load.get((u, v), 0.0) + 1 / len(routes)
+        share = {e: topo.capacity(*e) / n for e, n in load.items()}      # each flow's part of the link
+        rate = min(share.values())
+        busiest = [(u, v, topo.capacity(u, v), load[(u, v)]) for (u, v), r in share.items() if r <= rate * (1 + 1e-9)]
+        out.append(Pattern(shift, flows, rate, busiest))
+    return out
 
 
 def transfer_bytes(rate):
@@ -251,15 +300,45 @@ def _latency(comm, src, dst):
     return float(np.median(times)) / 2 if comm.rank == src else None
 
 
+def _pattern_seconds(comm, flows, nbytes, repeats):
+    """Best of ``repeats`` times, from a common start, until the last receive of ``flows`` (all sent at
+    once) completes: on rank 0; None elsewhere. Waiting ranks nap: the kernel carries the flows."""
+    source = {j: i for i, j in flows}
+    dest = {i: j for i, j in flows}
+    send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    best = None
+    for n in [min(nbytes, 1 << 16)] + [nbytes] * repeats:      # the first: connect, warm up
+        _nap_wait(comm.Ibarrier())
+        t0 = time.perf_counter()
+        reqs = ([comm.Irecv(recv[:n], source[comm.rank], tag=21)] if comm.rank in source else []) + \
+               ([comm.Isend(send[:n], dest[comm.rank], tag=21)] if comm.rank in dest else [])
+        elapsed = 0.0
+        if reqs:
+            _nap_wait(reqs[0])
+            elapsed = time.perf_counter() - t0 if comm.rank in source else 0.0
+            for r in reqs[1:]:
+                _nap_wait(r)
+        took = comm.reduce(elapsed, op=_max(), root=0)
+        if n == nbytes and comm.rank == 0:
+            best = took if best is None else min(best, took)
+    return best
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
 def _reduce_rates(comm, repeats):
     """Bytes of one float32 operand that ``numpy.add(a, b, out=a)`` combines per second on this rank,
     with every rank of the job reducing at the same time (as in a collective, where a host's ranks
-    share its memory and cores): the median of ``repeats`` rounds (at least 5), each started together."""
+    share its memory and cores): the median of ``repeats`` rounds (at least :data:`REDUCE_ROUNDS`), each
+    started together."""
     n = REDUCE_BYTES // 4
     a, b = np.ones(n, np.float32), np.ones(n, np.float32)
     np.add(a, b, out=a)                                         # touch the pages
     times = []
-    for _ in range(max(5, repeats)):
+    for _ in range(max(REDUCE_ROUNDS, repeats)):
         _nap_wait(comm.Ibarrier())
         t0 = time.perf_counter()
         np.add(a, b, out=a)
@@ -267,11 +346,12 @@ def _reduce_rates(comm, repeats):
     return REDUCE_BYTES / float(np.median(times))
 
 
-def measure(comm, topo, classes, repeats=REPEATS, progress=None):
-    """Run every measurement; on rank 0 return ``(machines, pair results, reduce results)``.
+def measure(comm, topo, classes, patterns=(), repeats=REPEATS, progress=None):
+    """Run every measurement; on rank 0 return ``(machines, pair results, pattern results, reduce
+    results)``.
 
-    Pair results: ``{(i, j): (rate, latency)}``; reduce results: ``{rank: rate}``. Every rank must
-    call it with the same arguments."""
+    Pair results: ``{(i, j): (rate, latency)}``; pattern results: ``[seconds]`` in the order of
+    ``patterns``; reduce results: ``{rank: rate}``. Every rank must call it with the same arguments."""
     from mpi4py import MPI
     machines = comm.allgather(MPI.Get_processor_name())
     tests = [(i, j, transfer_bytes(c.rate)) for c in classes if c.skip is None for i, j in c.pairs]
@@ -285,6 +365,7 @@ def measure(comm, topo, classes, repeats=REPEATS, progress=None):
             lat = _latency(comm, i, j)
             if comm.rank == i:
                 pairs[(i, j)] = (rate, lat)
+    timed = [_pattern_seconds(comm, pat.flows, transfer_bytes(pat.rate), repeats) for pat in patterns]
     rate = _reduce_rates(comm, repeats)
     if topo.kind(topo.ranks[comm.rank]) != "gpu":
         reduces[comm.rank] = rate
@@ -295,12 +376,13 @@ def measure(comm, topo, classes, repeats=REPEATS, progress=None):
     for p, r in gathered:
         pairs.update(p)
         reduces.update(r)
-    return machines, pairs, reduces
+    return machines, pairs, timed, reduces
 
 
 # ---- the report ------------------------------------------------------------------------------------------
-def findings(topo, classes, pairs, reduces, tolerance=TOLERANCE):
-    """:class:`Finding` per measured pair and per measured host reduction rate, in class order."""
+def findings(topo, classes, pairs, reduces, tolerance=TOLERANCE, patterns=(), timed=()):
+    """:class:`Finding` per measured pair (in class order), per pattern of flows at once and per host's
+    reduction rate."""
     out = []
     for c in classes:
         if c.skip is not None:
@@ -310,6 +392,11 @@ def findings(topo, classes, pairs, reduces, tolerance=TOLERANCE):
             out.append(Finding("bandwidth", c.label, f"{i} -> {j} ({topo.ranks[i]} -> {topo.ranks[j]})",
                                c.rate if math.isfinite(c.rate) else None, rate, tolerance, lat, c.latency,
                                transfer_bytes(c.rate), c.bottleneck))
+    for pat, seconds in zip(patterns, timed):
+        nbytes = transfer_bytes(pat.rate)
+        shown = ", ".join(f"{i} -> {j}" for i, j in pat.flows[:3]) + (", ..." if len(pat.flows) > 3 else "")
+        out.append(Finding("pattern", pat.label, f"{len(pat.flows)} hosts to +{pat.shift}: {shown}", pat.rate,
+                           nbytes / seconds, tolerance, nbytes=nbytes, bottleneck=pat.busiest))
     for label, ranks in reduce_groups(topo):
         rate = float(np.median([reduces[r] for r in ranks]))
         where = label if len(ranks) == 1 else f"{label} ({format_ranks(ranks)})"

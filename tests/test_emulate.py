@@ -837,3 +837,38 @@ def test_probe_finds_the_link_slower_than_its_file(tmp_path):
         assert pairs["same host"]["measured"] > 10 * between["measured"]
     finally:
         _clean(name, state)
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
+    """Two racks of two hosts, 200 Mbit/s NICs and 200 Mbit/s rack uplinks, probed against a file that
+    says the uplinks carry 400: every pair alone measures as the file says (a pair cannot fill more
+    than its NIC), but with all hosts sending at once across the racks each flow gets half its NIC."""
+    def racks(name, uplink):
+        nodes = [("spine", "switch"), ("rack0", "switch"), ("rack1", "switch")]
+        links = [{"a": f"rack{r}", "b": "spine", "bandwidth": uplink} for r in range(2)]
+        for h in range(4):
+            nodes += [(f"h{h}", "host"), (f"h{h}/cpu0", "cpu")]
+            links += [{"a": f"h{h}/cpu0", "b": f"h{h}", "bandwidth": 5e9},
+                      {"a": f"h{h}", "b": f"rack{h // 2}", "bandwidth": 200 * MBIT}]
+        return Topology(name, nodes, links, [f"h{h}/cpu0" for h in range(4)])
+    real = racks(f"ddl-test-uplink-{os.getpid()}", 200 * MBIT)
+    path, claimed = tmp_path / "real.json", tmp_path / "claimed.json"
+    real.dump(path)
+    racks("claimed", 400 * MBIT).dump(claimed)
+    state = netns.state_dir_for(real.name)
+    try:
+        res = subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", str(path), "--no-check", "--",
+                              sys.executable, "-m", "ddl", "topo", "probe", str(claimed), "--json"],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=80)
+        assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+        doc = json.loads(res.stdout[res.stdout.index("{"):])
+        alone = [f for f in doc["findings"] if f["what"] == "bandwidth"]
+        assert len(alone) == 2 and all(f["ok"] for f in alone), alone     # near and across: 25 MB/s
+        one, two = [f for f in doc["findings"] if f["what"] == "pattern"]
+        assert one["ok"] and one["expected"] == pytest.approx(25e6)     # one flow per uplink direction
+        assert not two["ok"] and 0.4 < two["ratio"] < 0.6, two          # two: 12.5 MB/s, not 25
+        assert ["rack0", "spine", 50e6, 2.0] in two["bottleneck"]
+    finally:
+        _clean(real.name, state)

@@ -56,6 +56,26 @@ def test_gpus_on_one_host_are_not_measured_through_host_memory():
     assert probe.reduce_groups(zoo("emulated-2rack"))[0] == ("host h0", (0, 1))
 
 
+@pytest.mark.parametrize("r, near, far", [(1, 4e9, 4e9), (4, 4e9, 1e9), (16, 1e9, 0.25e9)])
+def test_hosts_all_at_once_load_the_uplinks_as_oversubscribed(r, near, far):
+    """16 hosts, 4 per leaf, uplinks at 16/r GB/s: shifted by 1 one flow per uplink crosses, by 8 every
+    host's flow does, 4 per uplink: 1 GB/s each at r = 4 where a pair alone gets its NIC's 4 GB/s."""
+    shift1, shift8 = probe.host_patterns(zoo(f"fat-tree-4x4-r{r}"))
+    assert (shift1.shift, shift8.shift) == (1, 8) and len(shift8.flows) == 16
+    assert shift8.flows[0] == (0, 8) and shift8.flows[8] == (8, 0)
+    assert shift1.rate == pytest.approx(near) and shift8.rate == pytest.approx(far)
+    if r > 1:
+        assert ("leaf0", "spine", 16e9 / r, 4.0) in shift8.busiest
+
+
+def test_hosts_all_at_once_on_the_two_racks():
+    one, two = probe.host_patterns(zoo("emulated-2rack"))
+    assert one.flows == [(0, 2), (2, 4), (4, 6), (6, 0)] and one.rate == pytest.approx(12.5e6)
+    assert two.flows == [(0, 4), (2, 6), (4, 0), (6, 2)] and two.rate == pytest.approx(6.25e6)
+    assert {(u, v) for u, v, _, n in two.busiest if n == 2} >= {("rack0", "spine"), ("spine", "rack1")}
+    assert probe.host_patterns(Topology.load(ZOO / "dgx-a100.yaml")) == []       # one host: nothing to load
+
+
 def test_transfer_sizes_take_a_quarter_second_within_limits():
     assert transfer_bytes(12.5e6) == int(12.5e6 * probe.TARGET_SECONDS) // 4096 * 4096
     assert transfer_bytes(1e3) == probe.MIN_BYTES
@@ -81,6 +101,9 @@ def test_a_finding_is_ok_within_the_tolerance_either_way():
     assert not f(116).ok and f(116).verdict == "FASTER than the file"
     assert "rack0 -> spine (100 B/s)" in f(50).fix() and "measured 50 B/s" in f(50).fix()
     assert Finding("reduce", "reduce", "host h0", None, 5.0, 0.15).verdict == "not judged"
+    shared = Finding("pattern", "all at once", "4 hosts to +2", 100.0, 50.0, 0.15,
+                     bottleneck=[("rack0", "spine", 200.0, 2.0)])
+    assert not shared.ok and "rack0 -> spine (200 B/s, 2 flows)" in shared.fix()
 
 
 def test_report_text_and_json(capsys):

@@ -75,11 +75,12 @@ def _in_job(args):
     try:
         topo = agree(world, lambda: _checked(_topology(args), world.size))
         classes = probe.pair_classes(topo, args.per_class)
-        result = probe.measure(world, topo, classes, args.repeats)
+        patterns = probe.host_patterns(topo)
+        result = probe.measure(world, topo, classes, patterns, args.repeats)
         ok = None
         if world.rank == 0:
-            machines, pairs, reduces = result
-            found = probe.findings(topo, classes, pairs, reduces, args.tolerance)
+            machines, pairs, timed, reduces = result
+            found = probe.findings(topo, classes, pairs, reduces, args.tolerance, patterns, timed)
             ok = probe.report(topo, classes, found, probe.placement_problems(topo, machines), sys.stdout,
                               as_json=args.json)
             sys.stdout.flush()
