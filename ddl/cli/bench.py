@@ -118,14 +118,25 @@ def _in_job(args):
     leave the others waiting for this rank inside an MPI call, where no Python exception reaches
     them: :func:`_abort` ends the whole job.
     """
-    from mpi4py import MPI
-
     from .. import bench
-    world = MPI.COMM_WORLD
-    try:
+
+    def work(world):
         opts, _file = bench.agree(world, lambda: _options(args, writes_plot=world.rank == 0))
         return bench.run(opts, world)
-    except bench.JobError as exc:
+    return as_rank(work)
+
+
+def as_rank(work):
+    """``work(MPI.COMM_WORLD)``'s exit status on this rank, with the errors handled as
+    :func:`_in_job` says: one that every rank agreed on exits 2 (said by one rank), anything else
+    ends the whole job."""
+    from mpi4py import MPI
+
+    from ..bench import JobError
+    world = MPI.COMM_WORLD
+    try:
+        return work(world)
+    except JobError as exc:
         if exc.speaks:
             raise
         return 2

@@ -12,7 +12,7 @@ import sys
 
 from ..errors import Error
 from .argtypes import at_least, reported
-from .bench import _abort, _child, under_mpi
+from .bench import _child, as_rank, under_mpi
 
 
 def add_parser(sub):
@@ -66,13 +66,11 @@ def cmd_probe(args):
 
 def _in_job(args):
     """One rank of the probe job: every rank agrees on the file first, then measures; rank 0 reports.
-    Every rank exits with the report's status."""
-    from mpi4py import MPI
-
+    Every rank exits with the report's status (see :func:`ddl.cli.bench.as_rank` for errors)."""
     from .. import probe
-    from ..bench import JobError, agree
-    world = MPI.COMM_WORLD
-    try:
+    from ..bench import agree
+
+    def work(world):
         topo = agree(world, lambda: _checked(_topology(args), world.size))
         classes = probe.pair_classes(topo, args.per_class)
         patterns = probe.host_patterns(topo)
@@ -85,14 +83,7 @@ def _in_job(args):
                               as_json=args.json)
             sys.stdout.flush()
         return 0 if world.bcast(ok, root=0) else 1
-    except JobError as exc:
-        if exc.speaks:
-            raise
-        return 2
-    except BaseException as exc:
-        if world.size == 1:
-            raise
-        _abort(world, exc)
+    return as_rank(work)
 
 
 def _checked(topo, size):
