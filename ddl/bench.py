@@ -626,7 +626,8 @@ def run(opts, world=None, out=None, err=None):
             json.dump(rows, out, indent=2)
             out.write("\n")
         else:
-            print_summary(rows, out, emulated=bool(os.environ.get("DDL_EMULATED_CLUSTER")))
+            print_summary(rows, out, emulated=bool(os.environ.get("DDL_EMULATED_CLUSTER")),
+                          topology_file=opts.topology)
         out.flush()
         status = 1 if any(r["wrong"] for r in rows) else 0
         if opts.plot:

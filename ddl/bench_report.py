@@ -5,6 +5,7 @@ widths fixed before the first row is printed, since rows come one by one), the `
 Pure formatting of the row dicts :mod:`ddl.bench` builds (the ``--json`` records): no MPI here.
 """
 from .errors import Error
+from .planner import FLAT_BANDWIDTH
 from .units import format_seconds, format_size
 
 COLUMNS = ("size", "count", "type", "redop", "impl", "time", "algbw", "busbw", "#wrong",
@@ -103,11 +104,17 @@ def format_row(row, widths=_WIDTHS):
 
 BELOW_BOUND = 0.98
 """A time under this fraction of the bound gets a footnote (timing noise stays above it)."""
+SLOWER_THAN_PREDICTED = 1.5
+"""A ddl time over this multiple of its prediction, from :data:`SLOW_CHECK_BYTES` up, gets a footnote."""
+SLOW_CHECK_BYTES = 1 << 20
+"""(Below it the software cost of each message, which a file may not model, weighs as much as the links.)"""
 
 
-def print_summary(rows, out, emulated=False):
-    """nccl-tests' footer, ddl's speed-up over each peer at each size, and a note on any time under the
-    bound, saying why it can be there (``emulated``: the rows ran on an emulated cluster)."""
+def print_summary(rows, out, emulated=False, topology_file=None):
+    """nccl-tests' footer, ddl's speed-up over each peer at each size, a note on any time under the
+    bound, saying why it can be there (``emulated``: the rows ran on an emulated cluster), and one on
+    ddl's times far over their predictions, pointing at ``ddl topo probe`` (``topology_file``: the file
+    the run planned on; None: ddl's flat default)."""
     bad = sum(r["wrong"] for r in rows)
     print(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
     by_impl = {}
@@ -133,6 +140,15 @@ def print_summary(rows, out, emulated=False):
                "switches (SHARP), which point-to-point transfers cannot")
         print(f"# under the bound: {', '.join(below)}: the bound holds for point-to-point transfers at the "
               f"file's rates; {why}", file=out)
+    slow = [f"{r['impl']} at {format_size(r['bytes'])} ({r['seconds'] / r['predicted_seconds']:.2f})" for r in rows
+            if r["impl"].startswith("ddl") and r["predicted_seconds"] and r["bytes"] >= SLOW_CHECK_BYTES
+            and r["seconds"] > SLOWER_THAN_PREDICTED * r["predicted_seconds"]]
+    if slow:
+        why = (f"the prediction takes the file's rates; where the fabric carries less, `ddl topo probe "
+               f"{topology_file}` under the same launch says which links" if topology_file else
+               f"with no topology file ddl planned and predicted for a flat network of {FLAT_BANDWIDTH} per "
+               f"rank: give it the cluster's file (`ddl topo probe FILE` checks one against the fabric)")
+        print(f"# slower than predicted: {', '.join(slow)}: {why}", file=out)
 
 
 def plot(rows, path, title=""):

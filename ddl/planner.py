@@ -73,7 +73,10 @@ class Plan:
         return self.predicted_seconds / self.bound_seconds if self.bound_seconds > 0 else 1.0
 
 
-def flat_topology(nranks, bandwidth="10 GB/s", latency="1 us"):
+FLAT_BANDWIDTH = "10 GB/s"
+
+
+def flat_topology(nranks, bandwidth=FLAT_BANDWIDTH, latency="1 us"):
     """``nranks`` CPU ranks on one switch: what ddl assumes when told nothing about the cluster."""
     from .topology import Topology
 

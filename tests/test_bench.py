@@ -349,6 +349,25 @@ def test_a_time_under_the_bound_is_footnoted_with_its_cause():
     assert summary([row("ddl", 1e-3), row("mpi", 0.99e-3), row("x", 0.5e-3, bound=None)], True) == []
 
 
+def test_a_time_far_over_its_prediction_points_at_the_probe():
+    """From 1 MiB up, a ddl time 1.5 times its prediction or more says how to check the file's rates."""
+    import io
+    from ddl.bench_report import print_summary
+
+    def notes(nbytes, seconds, impl="ddl", file="cluster.yaml"):
+        r = {"bytes": nbytes, "count": nbytes // 4, "dtype": "float32", "op": "sum", "impl": impl,
+             "seconds": seconds, "algbw": 1e6, "busbw": 1e6, "wrong": 0, "algorithm": "ring",
+             "predicted_seconds": 1.0, "bound_seconds": 0.9}
+        out = io.StringIO()
+        print_summary([r], out, topology_file=file)
+        return [line for line in out.getvalue().splitlines() if "slower than predicted" in line]
+    note, = notes(64 << 20, 2.1)
+    assert "ddl at 64 MiB (2.10)" in note and "`ddl topo probe cluster.yaml`" in note
+    flat, = notes(64 << 20, 2.1, file=None)
+    assert "no topology file" in flat and "10 GB/s per rank" in flat
+    assert notes(64 << 20, 1.4) == [] and notes(512 << 10, 3.0) == [] and notes(64 << 20, 3.0, "mpi") == []
+
+
 # ---- a job's ranks end together --------------------------------------------------------------------------
 def _descendants(pid):
     """Every process below ``pid`` (Linux /proc): MPI launchers start the ranks in sessions of their
