@@ -324,14 +324,14 @@ class ShmBoard:
 
     DEPTH = 64
     # Data posted with a signature (inline collectives, see ddl.executor): up to inline_limit(p) bytes per
-    # rank, in PAYLOAD_DEPTH slots of their own (so the window stays small: 4 MiB at most).
-    INLINE_MAX = 128 << 10
-    INLINE_SLOT = 1 << 20      # bytes of one payload slot, all ranks together
+    # rank, in PAYLOAD_DEPTH slots of their own (so the window stays small: 8 MiB at most).
+    INLINE_MAX = 1 << 20
+    INLINE_SLOT = 2 << 20      # bytes of one payload slot, all ranks together
     PAYLOAD_DEPTH = 4
 
     @classmethod
     def inline_limit(cls, nranks):
-        """Bytes a rank may post with a signature: ``min(128 KiB, 1 MiB / p)``, a multiple of 64."""
+        """Bytes a rank may post with a signature: ``min(1 MiB, 2 MiB / p)``, a multiple of 64."""
         return min(cls.INLINE_MAX, cls.INLINE_SLOT // max(nranks, 1)) // 64 * 64
 
     def __init__(self, comm):

@@ -335,7 +335,7 @@ class Communicator:
         limit = ShmBoard.inline_limit(self.size)
         inline = _env_int("DDL_INLINE_BYTES", limit)
         if not 0 <= inline <= limit:
-            raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(128 KiB, 1 MiB / ranks)) "
+            raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(1 MiB, 2 MiB / ranks)) "
                         f"on {self.size} ranks, got {inline}")
         scratch_bytes = _env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
         if scratch_bytes < 0:
@@ -430,7 +430,7 @@ class Communicator:
 
         (A collective whose per-rank input is at most :attr:`inline_bytes` runs on the shared-memory
         agreement board instead: every rank posts its input beside its signature and computes the
-        result from all of them, reducing in rank order. ``inline_bytes`` is ``min(128 KiB, 1 MiB /
+        result from all of them, reducing in rank order. ``inline_bytes`` is ``min(1 MiB, 2 MiB /
         ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it off) with ``algorithm="auto"`` and ddl's planner
         when all ranks share a node and the check is ``"always"``, else 0.)"""
         if isinstance(nbytes_or_buffer, (int, np.integer, str)) and not isinstance(nbytes_or_buffer, bool):

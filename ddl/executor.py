@@ -54,7 +54,7 @@ Execution rules
   :mod:`ddl.buffer_layout`'s, shared with the GPU launch plan.
 
 Inline collectives: on one node (shared-memory agreement, ``check="always"``, ``algorithm="auto"``), a
-collective whose per-rank input is at most ``Communicator.inline_bytes`` (``min(128 KiB, 1 MiB / p)``)
+collective whose per-rank input is at most ``Communicator.inline_bytes`` (``min(1 MiB, 2 MiB / p)``)
 does not run its schedule: each rank posts its input beside its signature on the
 :class:`~ddl.agreement.ShmBoard`, and once every rank has posted (the agreement) each computes its
 result from the posted rows itself, reducing in rank order (:meth:`Engine._complete_inline`). No

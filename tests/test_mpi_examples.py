@@ -11,7 +11,7 @@ from mpi_cases._launch import ROOT, run_mpi, run_ok
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_allreduce_hello(n):
-    out = run_ok(n, "examples/allreduce_hello.py", "--size", "256KiB")
+    out = run_ok(n, "examples/allreduce_hello.py", "--size", "2MiB")
     assert f"on {n} ranks" in out
     assert "plan: " in out and "result check: OK" in out
     assert re.search(r"time: best [\d.]+ (us|ms|s)", out)

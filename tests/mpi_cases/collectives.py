@@ -519,7 +519,7 @@ def check_functional():
 def check_inline():
     """Allreduces of at most inline_bytes (auto, one node, check always) ride on the agreement board:
     every rank reduces the posted inputs in rank order, so the result is exactly that expression."""
-    limit = min(128 << 10, (1 << 20) // p) // 64 * 64
+    limit = min(1 << 20, (2 << 20) // p) // 64 * 64
     chk.ok(comm.inline_bytes == (limit if comm.agreement == "shared-memory" else 0),
            f"inline_bytes {comm.inline_bytes} with agreement {comm.agreement}")
     ring = ddl.Communicator(WORLD, algorithm="ring")

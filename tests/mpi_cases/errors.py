@@ -114,7 +114,8 @@ still_works("nonblocking mismatch")
 import time  # noqa: E402
 wc = ddl.Communicator(WORLD, stall_timeout=5)
 window = wc._engine.tags.window
-vals = [np.full(20000 + (i == 0 and r == last), r + 1.0) for i in range(window + 2)]
+above = comm.inline_bytes // 8 + 4096     # float64 elements: above the inline limit
+vals = [np.full(above + (i == 0 and r == last), r + 1.0) for i in range(window + 2)]
 reqs = []
 if r == last:
     time.sleep(0.5)
@@ -123,7 +124,7 @@ for i, v in enumerate(vals):
         reqs.append(wc.Iallreduce(ddl.IN_PLACE, v))
     except Exception as exc:
         chk.fail(f"starting call {i} of {len(vals)} (window {window}) raised {type(exc).__name__}: {exc}")
-expect(ddl.MismatchError, reqs[0].Wait, f"rank {last} called Allreduce with 20001 float64", "with 20000 float64",
+expect(ddl.MismatchError, reqs[0].Wait, f"rank {last} called Allreduce with {above + 1} float64", f"with {above} float64",
        label="a mismatch in the oldest of a full window of calls")
 for i, q in enumerate(reqs[1:], 1):
     q.Wait()
@@ -216,10 +217,10 @@ ro = np.ones(4)
 ro.flags.writeable = False
 one_rank_refuses("read-only recvbuf on one rank", last, lambda: comm.Allreduce(np.ones(4), np.empty(4)),
                  lambda: comm.Allreduce(np.ones(4), ro), ["read-only"])
-big_ro = np.ones(1 << 16)
+big_ro = np.ones(1 << 18)              # above the inline limit
 big_ro.flags.writeable = False
-one_rank_refuses("read-only large recvbuf on one rank", 0, lambda: comm.Iallreduce(np.ones(1 << 16), np.empty(1 << 16)).Wait(),
-                 lambda: comm.Iallreduce(np.ones(1 << 16), big_ro), ["read-only"])
+one_rank_refuses("read-only large recvbuf on one rank", 0, lambda: comm.Iallreduce(np.ones(1 << 18), np.empty(1 << 18)).Wait(),
+                 lambda: comm.Iallreduce(np.ones(1 << 18), big_ro), ["read-only"])
 one_rank_refuses("AVG on ints on one rank", 0, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4), op=ddl.AVG),
                  lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(4, np.int32), op=ddl.AVG), ["AVG", "int32"])
 one_rank_refuses("bad root on one rank", last, lambda: comm.Bcast(np.ones(3), root=0),
@@ -254,7 +255,7 @@ still_works("a grouped call against a plain one")
 # one buffer in two calls in flight (MPI forbids it; it gave garbage): refused, and every rank raises (those
 # whose first call had already completed learn of the refusal through the agreement)
 # (a first call that had already finished on every rank leaves the buffer free: then both run, in turn)
-for n in (4, 1 << 16):
+for n in (4, 1 << 18):                 # inline, and above the inline limit (1 MiB at most)
     shared = np.full(n, r + 1.0)
     first = comm.Iallreduce(ddl.IN_PLACE, shared)
     try:
@@ -275,7 +276,7 @@ for n in (4, 1 << 16):
     still_works(f"a buffer in two calls in flight, {n}")
 # ... and the same on two communicators: each has its own engine, but the memory is one (it gave mixed sums)
 other = ddl.Communicator(WORLD, stall_timeout=60)
-shared = np.full(1 << 16, r + 1.0)
+shared = np.full(1 << 18, r + 1.0)
 first = comm.Iallreduce(ddl.IN_PLACE, shared)        # large: in flight until waited for, on every rank
 expect(ddl.Error, lambda: other.Iallreduce(ddl.IN_PLACE, shared), "recvbuf shares memory with a buffer of Allreduce",
        "on another ddl.Communicator", "still in flight", label="a buffer in flight on another communicator")
@@ -371,7 +372,7 @@ expect(ddl.PlanError, lambda: solo.planner.pin(saved), f"the schedule is for {p}
        label="pinning another rank count's schedule on one rank")
 solo.Free()
 late = ddl.Communicator(WORLD, stall_timeout=60)   # pinned after a call of that size: the pin runs from then on
-v = np.full(1 << 15, r + 1.0)
+v = np.full(1 << 18, r + 1.0)
 late.Allreduce(ddl.IN_PLACE, v)
 before = next(entry[0].schedule for entry in late._plans.values())
 late.planner.pin(saved)
@@ -396,7 +397,7 @@ c.Free()
 # (under np.seterr(over="raise") an overflow raised halfway through a collective on some ranks and left the
 # others waiting; with numpy's defaults it printed RuntimeWarnings pointing into ddl)
 import warnings  # noqa: E402
-for n in (10, 1 << 17):          # inline (on the agreement board, one node) and through the schedule
+for n in (10, comm.inline_bytes // 2 + 4096):   # inline (on the agreement board, one node), the schedule
     for settings in ({"all": "raise"}, {}):
         v = np.ones(n, np.float16)
         v[0] = 60000.0
@@ -418,7 +419,7 @@ import gc  # noqa: E402
 import weakref  # noqa: E402
 refs = []
 for i in range(12):
-    n = 20000 + i        # a plan per size, above the inline limit and within the view cache's
+    n = comm.inline_bytes // 8 + 4096 + i   # a plan per size, above the inline limit and within the view cache's
     s_, o_ = np.full(n, r + 1.0), np.empty(n)
     comm.Allreduce([s_, n], [o_, n])     # (a list spec: Allreduce's argument cache keeps no reference)
     chk.ok(np.all(o_ == p * (p + 1) / 2), f"Allreduce of {n}")

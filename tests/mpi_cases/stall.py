@@ -73,7 +73,7 @@ def failing_reduction(comm, buf):
     def fail(ufunc, views):
         raise RuntimeError("simulated failure of a reduction")
     executor._combine = fail
-    big = np.ones(1 << 16, np.float32)       # above the inline limit: the schedule runs, with reductions
+    big = np.ones(1 << 19, np.float32)       # above the inline limit: the schedule runs, with reductions
     try:
         comm.Allreduce(ddl.IN_PLACE, big)
     except RuntimeError as exc:
@@ -90,7 +90,7 @@ def failing_reduction(comm, buf):
 scenario(1, "always", sleep_then_call)
 scenario(2, "off", start_then_sleep)
 scenario(3, "always", sleep_longer_then_call, poll_with_compute, warn=1.5, timeout=2.5)
-scenario(4, "always", failing_reduction, lambda comm, buf: comm.Allreduce(ddl.IN_PLACE, np.ones(1 << 16, np.float32)))
+scenario(4, "always", failing_reduction, lambda comm, buf: comm.Allreduce(ddl.IN_PLACE, np.ones(1 << 19, np.float32)))
 WORLD.Barrier()
 if RANK == 0:
     print("DONE", flush=True)
