@@ -303,6 +303,7 @@ def _latency(comm, src, dst):
 def _pattern_seconds(comm, flows, nbytes, repeats):
     """Best of ``repeats`` times, from a common start, until the last receive of ``flows`` (all sent at
     once) completes: on rank 0; None elsewhere. Waiting ranks nap: the kernel carries the flows."""
+    from mpi4py import MPI
     source = {j: i for i, j in flows}
     dest = {i: j for i, j in flows}
     send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
@@ -318,15 +319,10 @@ def _pattern_seconds(comm, flows, nbytes, repeats):
             elapsed = time.perf_counter() - t0 if comm.rank in source else 0.0
             for r in reqs[1:]:
                 _nap_wait(r)
-        took = comm.reduce(elapsed, op=_max(), root=0)
+        took = comm.reduce(elapsed, op=MPI.MAX, root=0)
         if n == nbytes and comm.rank == 0:
             best = took if best is None else min(best, took)
     return best
-
-
-def _max():
-    from mpi4py import MPI
-    return MPI.MAX
 
 
 def _reduce_rates(comm, repeats):
@@ -346,7 +342,7 @@ def _reduce_rates(comm, repeats):
     return REDUCE_BYTES / float(np.median(times))
 
 
-def measure(comm, topo, classes, patterns=(), repeats=REPEATS, progress=None):
+def measure(comm, topo, classes, patterns=(), repeats=REPEATS):
     """Run every measurement; on rank 0 return ``(machines, pair results, pattern results, reduce
     results)``.
 
@@ -356,10 +352,8 @@ def measure(comm, topo, classes, patterns=(), repeats=REPEATS, progress=None):
     machines = comm.allgather(MPI.Get_processor_name())
     tests = [(i, j, transfer_bytes(c.rate)) for c in classes if c.skip is None for i, j in c.pairs]
     pairs, reduces = {}, {}
-    for k, (i, j, nbytes) in enumerate(tests):
+    for i, j, nbytes in tests:
         _nap_wait(comm.Ibarrier())
-        if progress is not None and comm.rank == 0:
-            progress(k, len(tests))
         if comm.rank in (i, j):
             rate = _bandwidth(comm, i, j, nbytes, repeats)
             lat = _latency(comm, i, j)
@@ -413,8 +407,9 @@ def report(topo, classes, found, problems, out, as_json=False):
                "skipped": [{"class": c.label, "pairs": c.size, "why": c.skip} for c in classes if c.skip]}
         print(json.dumps(doc, indent=1), file=out)
         return ok
-    print(f"# ddl topo probe: {topo.source or topo.name}, {topo.nranks} ranks; host buffers, MPI point-to-"
-          f"point, one pair at a time, best of the transfers; tolerance +-{found[0].tolerance if found else TOLERANCE:.0%}",
+    tolerance = found[0].tolerance if found else TOLERANCE
+    print(f"# ddl topo probe: {topo.source or topo.name}, {topo.nranks} ranks; host buffers, MPI point-to-point: "
+          f"pairs one at a time, then every host at once; best of the transfers; tolerance +-{tolerance:.0%}",
           file=out)
     print(f"# placement: {'as the file says' if not problems else 'DIFFERS from the file'}", file=out)
     for p in problems:
