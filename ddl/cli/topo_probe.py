@@ -20,8 +20,9 @@ def add_parser(sub):
         "probe", help="measure the fabric under a job against its topology file",
         description="Measure what the fabric carries between the job's ranks and compare it with FILE: "
                     "the ranks' placement on machines, the bandwidth and latency of one rank pair per "
-                    "class of route (same bottleneck bandwidth, latency and hops), and each host's "
-                    "reduction rate. Host buffers, MPI point-to-point, one pair at a time. Run it under "
+                    "class of route (same bottleneck bandwidth, latency and hops), one pair at a time, "
+                    "then every host sending at once (which fills the links that hosts share), and each "
+                    "host's reduction rate. Host buffers, MPI point-to-point. Run it under "
                     "mpiexec as the training job would be, or alone (it launches mpiexec on this "
                     "machine). Exit status 1 when the fabric differs from FILE, 2 on a usage error.")
     p.add_argument("file", nargs="?", metavar="FILE", help="topology file (default: $DDL_TOPOLOGY)")
