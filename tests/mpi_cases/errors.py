@@ -419,7 +419,7 @@ import gc  # noqa: E402
 import weakref  # noqa: E402
 refs = []
 for i in range(12):
-    n = comm.inline_bytes // 8 + 4096 + i   # a plan per size, above the inline limit and within the view cache's
+    n = above + i        # a plan per size, above the inline limit and within the view cache's
     s_, o_ = np.full(n, r + 1.0), np.empty(n)
     comm.Allreduce([s_, n], [o_, n])     # (a list spec: Allreduce's argument cache keeps no reference)
     chk.ok(np.all(o_ == p * (p + 1) / 2), f"Allreduce of {n}")
