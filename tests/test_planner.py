@@ -198,10 +198,10 @@ def test_the_garbage_collector_is_paused_while_planning_and_restored_after(monke
 
 def test_plan_timeline_shows_how_busy_the_busiest_links_are(capsys, tmp_path, monkeypatch):
     """--timeline: a strip per busiest link (blank idle ... @ full), and the same profile in the JSON;
-    the NVLinks of the A100 pair, the busiest, are full from the start and drain at the end (32 MiB:
-    a size whose plan takes a third less time than the default's)."""
+    the GPUs' links into the NVSwitch of a DGX A100, the busiest, are full from the start and drain at
+    the end."""
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
-    args = ["plan", str(ZOO / "dgx-a100-2x8.yaml"), "--workers", "1", "--bytes", "32MiB", "--timeline"]
+    args = ["plan", str(ZOO / "dgx-a100.yaml"), "--workers", "1", "--bytes", "32MiB", "--timeline"]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     at = out.index(next(line for line in out if line.startswith("busiest links")))
