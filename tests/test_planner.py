@@ -347,3 +347,28 @@ def test_planner_arguments_are_checked_with_one_plan_error(call, says):
     with pytest.raises(PlanError) as info:
         call(pl)
     assert says in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 200, str(info.value)
+
+
+@pytest.mark.parametrize("nranks", [4, 8])
+def test_without_a_file_auto_takes_fewer_messages_within_the_margin(nranks):
+    """On the assumed flat network `auto` takes the candidate of fewest messages among those predicted
+    within FLAT_MESSAGE_MARGIN of the fastest, and says why; the same network read from a file (a
+    network the user vouches for) gets the fastest."""
+    from ddl.simulate import simulate
+
+    nbytes = 64 << 20
+    flat = flat_topology(nranks)
+    plan = Planner(flat, use_disk_cache=False).plan("allreduce", nbytes, exhaustive=True)
+    sims = {name: simulate(flat, Planner(flat, use_disk_cache=False).schedule("allreduce", nbytes, name), nbytes)
+            for name in [plan.algorithm, *plan.baselines]}
+    fastest = min(sims, key=lambda n: sims[n].seconds)
+    near = [n for n in sims if sims[n].seconds <= sims[fastest].seconds * (1 + planner_module.FLAT_MESSAGE_MARGIN)]
+    assert plan.algorithm != fastest                                # the case this rule is for
+    assert plan.algorithm in near
+    assert sims[plan.algorithm].transfers == min(sims[n].transfers for n in near) < sims[fastest].transfers
+    assert f"sends the fewest messages ({sims[plan.algorithm].transfers})" in plan.reason
+    assert fastest in plan.reason and "without a topology file" in plan.reason
+    assert Planner(flat, use_disk_cache=False).plan("allreduce", nbytes).algorithm == plan.algorithm  # pruned alike
+
+    vouched = Topology.from_dict(flat.to_dict(), source="flat.yaml")
+    assert Planner(vouched, use_disk_cache=False).plan("allreduce", nbytes).algorithm == fastest
