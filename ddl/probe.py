@@ -64,7 +64,7 @@ class PairClass:
     hops: int
     size: int               # how many rank pairs (of those considered) fall in the class
     pairs: list
-    bottleneck: list        # [(u, v, bytes/s)]: the links that bound the first pair's route
+    bottleneck: list        # [(u, v, bytes/s)]: the links that bound the first pair's route (route_bottleneck)
     skip: str = None        # why the class is not measured
 
     @property
@@ -155,13 +155,18 @@ def pair_classes(topo, per_class=1):
     for (same, rate, latency, hops), members in groups.items():
         pairs = _spread(topo, list(members), per_class)
         i, j = pairs[0]
-        path = topo.routes(i, j)[0]
-        bottleneck = [(u, v, topo.capacity(u, v)) for u, v in zip(path, path[1:]) if topo.capacity(u, v) <= rate]
         gpu = any(topo.kind(topo.ranks[r]) == "gpu" for r in (i, j))
-        classes.append(PairClass(same, rate, latency, hops, len(members), pairs, bottleneck,
+        classes.append(PairClass(same, rate, latency, hops, len(members), pairs, route_bottleneck(topo, i, j),
                                  GPU_PAIR_SKIP if same and gpu else None))
     classes.sort(key=lambda c: (not c.same_host, -c.rate, c.latency, c.hops))
     return classes
+
+
+def route_bottleneck(topo, i, j):
+    """``[(u, v, bytes/s)]``: the links of the route from rank ``i`` to ``j`` that bound its bandwidth
+    in the file (of its first path, where several tie)."""
+    path, rate = topo.routes(i, j)[0], topo.route_bandwidth(i, j)
+    return [(u, v, topo.capacity(u, v)) for u, v in zip(path, path[1:]) if topo.capacity(u, v) <= rate]
 
 
 def _spread(topo, pairs, limit):
@@ -386,7 +391,7 @@ def findings(topo, classes, pairs, reduces, tolerance=TOLERANCE, patterns=(), ti
             rate, lat = pairs[(i, j)]
             out.append(Finding("bandwidth", c.label, f"{i} -> {j} ({topo.ranks[i]} -> {topo.ranks[j]})",
                                c.rate if math.isfinite(c.rate) else None, rate, tolerance, lat, c.latency,
-                               transfer_bytes(c.rate), c.bottleneck))
+                               transfer_bytes(c.rate), route_bottleneck(topo, i, j)))
     for pat, seconds in zip(patterns, timed):
         nbytes = transfer_bytes(pat.rate)
         shown = ", ".join(f"{i} -> {j}" for i, j in pat.flows[:3]) + (", ..." if len(pat.flows) > 3 else "")
