@@ -145,7 +145,8 @@ def print_summary(rows, out, emulated=False, topology_file=None):
             and r["seconds"] > SLOWER_THAN_PREDICTED * r["predicted_seconds"]]
     if slow:
         why = (f"the prediction takes the file's rates; where the fabric carries less, `ddl topo probe "
-               f"{topology_file}` under the same launch says which links" if topology_file else
+               f"{topology_file}` under the same launch says which links (`--write OUT`: a copy with what it "
+               f"measured)" if topology_file else
                f"with no topology file ddl planned and predicted for a flat network of {FLAT_BANDWIDTH} per "
                f"rank: give it the cluster's file (`ddl topo probe FILE` checks one against the fabric)")
         print(f"# slower than predicted: {', '.join(slow)}: {why}", file=out)

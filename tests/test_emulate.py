@@ -817,24 +817,39 @@ def test_sigterm_to_bench_emulate_tears_the_cluster_down(tmp_path):
 def test_probe_finds_the_link_slower_than_its_file(tmp_path):
     """``ddl topo probe`` on an emulated cluster whose NICs run at 200 Mbit/s, against a file that says
     400: the placement holds, ranks on one host are not judged wrong, and the pair between the hosts
-    measures half the file's rate and names the links that bound it in the file."""
+    measures half the file's rate and names the links that bound it in the file. ``--write`` puts the
+    measured rate into a copy of the file, and probing that copy finds the pair as it says."""
     name, path, state = _cluster_file(tmp_path, "probe")           # 2 hosts x 2 ranks, 200 Mbit/s NICs
-    claimed = tmp_path / "claimed.json"
+    claimed, fixed = tmp_path / "claimed.json", tmp_path / "fixed.yaml"
     small("claimed", rate=400 * MBIT).dump(claimed)
     before = set(netns.list_namespaces())
+
+    def probe(file, *more):
+        return subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", path, "--no-check", "--",
+                               sys.executable, "-m", "ddl", "topo", "probe", str(file), "--json", *more],
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+
+    def between_hosts(res):
+        doc = json.loads(res.stdout[res.stdout.index("{"):])
+        pairs = {f["class"]: f for f in doc["findings"] if f["what"] == "bandwidth"}
+        return doc, pairs["between hosts"], pairs["same host"]
+
     try:
-        res = subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", path, "--no-check", "--",
-                              sys.executable, "-m", "ddl", "topo", "probe", str(claimed), "--json"],
-                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+        res = probe(claimed, "--write", str(fixed))
         assert set(netns.list_namespaces()) == before and not state.exists()     # torn down
         assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
-        doc = json.loads(res.stdout[res.stdout.index("{"):])
+        doc, between, same = between_hosts(res)
         assert doc["placement"] == [] and doc["ok"] is False
-        pairs = {f["class"]: f for f in doc["findings"] if f["what"] == "bandwidth"}
-        between = pairs["between hosts"]
         assert not between["ok"] and 0.4 < between["ratio"] < 0.6, between
         assert [b[:2] for b in between["bottleneck"]] == [["n0", "sw"], ["sw", "n1"]]
-        assert pairs["same host"]["measured"] > 10 * between["measured"]
+        assert same["measured"] > 10 * between["measured"]
+
+        assert f"# wrote {fixed}" in res.stderr and "#   link n0 - sw: 50 MB/s -> " in res.stderr, res.stderr
+        nics = {(link.a, link.b): link.bandwidth for link in Topology.load(fixed).links}
+        assert nics[("n0", "sw")] == nics[("n1", "sw")] == pytest.approx(between["measured"], rel=1e-3)
+        again = probe(fixed)
+        _, between, _ = between_hosts(again)
+        assert between["ok"] and 0.85 <= between["ratio"] <= 1.15, between
     finally:
         _clean(name, state)
 
@@ -844,7 +859,8 @@ def test_probe_finds_the_link_slower_than_its_file(tmp_path):
 def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
     """Two racks of two hosts, 200 Mbit/s NICs and 200 Mbit/s rack uplinks, probed against a file that
     says the uplinks carry 400: every pair alone measures as the file says (a pair cannot fill more
-    than its NIC), but with all hosts sending at once across the racks each flow gets half its NIC."""
+    than its NIC), but with all hosts sending at once across the racks each flow gets half its NIC;
+    ``--write`` gives the uplinks what those flows measured."""
     def racks(name, uplink):
         nodes = [("spine", "switch"), ("rack0", "switch"), ("rack1", "switch")]
         links = [{"a": f"rack{r}", "b": "spine", "bandwidth": uplink} for r in range(2)]
@@ -854,13 +870,14 @@ def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
                       {"a": f"h{h}", "b": f"rack{h // 2}", "bandwidth": 200 * MBIT}]
         return Topology(name, nodes, links, [f"h{h}/cpu0" for h in range(4)])
     real = racks(f"ddl-test-uplink-{os.getpid()}", 200 * MBIT)
-    path, claimed = tmp_path / "real.json", tmp_path / "claimed.json"
+    path, claimed, fixed = tmp_path / "real.json", tmp_path / "claimed.json", tmp_path / "fixed.json"
     real.dump(path)
     racks("claimed", 400 * MBIT).dump(claimed)
     state = netns.state_dir_for(real.name)
     try:
         res = subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", str(path), "--no-check", "--",
-                              sys.executable, "-m", "ddl", "topo", "probe", str(claimed), "--json"],
+                              sys.executable, "-m", "ddl", "topo", "probe", str(claimed), "--json",
+                              "--write", str(fixed)],
                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=80)
         assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
         doc = json.loads(res.stdout[res.stdout.index("{"):])
@@ -870,5 +887,9 @@ def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
         assert one["ok"] and one["expected"] == pytest.approx(25e6)     # one flow per uplink direction
         assert not two["ok"] and 0.4 < two["ratio"] < 0.6, two          # two: 12.5 MB/s, not 25
         assert ["rack0", "spine", 50e6, 2.0] in two["bottleneck"]
+        written = {(link.a, link.b): link.bandwidth for link in Topology.load(fixed).links}   # --write:
+        assert written[("rack0", "spine")] == pytest.approx(2 * two["measured"], rel=1e-3)       # the shared uplinks
+        assert written[("rack1", "spine")] == pytest.approx(2 * two["measured"], rel=1e-3)
+        assert written[("h0", "rack0")] == 200 * MBIT                                  # the rest held
     finally:
         _clean(real.name, state)

@@ -157,13 +157,30 @@ def ddl_probe(args, env, mpi=2, timeout=120):
 
 @needs_mpi
 def test_a_file_faster_than_the_machine_fails_and_names_the_link(tmp_path, env):
-    res = ddl_probe([one_host(tmp_path, "1000 TB/s"), "--json"], env)
+    """... and ``--write`` gives those links the rate measured (the report on stdout stays JSON)."""
+    fixed = tmp_path / "fixed.yaml"
+    res = ddl_probe([one_host(tmp_path, "1000 TB/s"), "--json", "--write", str(fixed)], env)
     assert res.returncode == 1, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     [pair] = [f for f in doc["findings"] if f["what"] == "bandwidth"]
     assert not pair["ok"] and pair["ratio"] < 0.01 and pair["measured"] > 1e6
     assert [b[:2] for b in pair["bottleneck"]] == [["m/cpu0", "m"], ["m", "m/cpu1"]]
     assert doc["placement"] == [] and pair["latency"] > 0
+    assert f"# wrote {fixed}: " in res.stderr and "#   link m/cpu0 - m: 1000 TB/s -> " in res.stderr
+    written = Topology.load(fixed)
+    assert written.route_bandwidth(0, 1) == pytest.approx(pair["measured"], rel=1e-3)
+    assert "ddl topo probe --write" in written.description
+
+
+@needs_mpi
+def test_write_refuses_a_folder_it_cannot_write_and_the_file_itself(tmp_path, env):
+    """Checked before anything is measured: one clean error, exit 2, on every rank."""
+    file = one_host(tmp_path, "5 GB/s")
+    for out, says in ((tmp_path / "no-such-folder" / "x.yaml", "cannot write into"),
+                      (file, "is the file being probed")):
+        res = ddl_probe([file, "--write", str(out)], env)
+        assert res.returncode == 2 and says in res.stderr, res.stdout + res.stderr
+        assert "Traceback" not in res.stderr and "same host" not in res.stdout
 
 
 @needs_mpi

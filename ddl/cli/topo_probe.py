@@ -3,6 +3,7 @@
     mpiexec -n 16 -hosts node0:8,node1:8 ddl topo probe cluster.yaml
     ddl topo probe cluster.yaml                     # launches mpiexec -n <ranks> on this machine
     ddl emulate run cluster.yaml -- python -m ddl topo probe cluster.yaml
+    ddl topo probe cluster.yaml --write measured.yaml  # and a copy with the measured figures
 
 Exit status 0 when the fabric is as the file says, 1 when a measurement or the placement differs from
 it, 2 on a usage error (a missing file, a job of the wrong size).
@@ -34,6 +35,10 @@ def add_parser(sub):
     p.add_argument("--tolerance", type=reported(_tolerance), default=0.15, metavar="T",
                    help="how far a measurement may lie from the file, either way: 15%% or 0.15 (default)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("--write", metavar="OUT", help="also write FILE with the figures that differed replaced by "
+                                                  "the measured ones (links that bound a slow route, a shared "
+                                                  "link, reduction rates) to OUT, YAML or .json; the exit "
+                                                  "status still judges FILE")
     p.set_defaults(func=cmd_probe)
 
 
@@ -60,6 +65,8 @@ def cmd_probe(args):
     n = topo.nranks
     argv = [topo.source, "--per-class", str(args.per_class), "--repeats", str(args.repeats),
             "--tolerance", repr(args.tolerance)] + (["--json"] if args.json else [])
+    if args.write:
+        argv += ["--write", args.write]
     print(f"ddl topo probe: not under mpiexec: launching {n} rank{'s' if n != 1 else ''} on this machine "
           f"(for a cluster, run it under mpiexec with your job's host list)", file=sys.stderr, flush=True)
     return _child([find_mpiexec(), "-n", str(n), sys.executable, "-m", "ddl", "topo", "probe", *argv])
@@ -72,7 +79,7 @@ def _in_job(args):
     from ..bench import agree
 
     def work(world):
-        topo = agree(world, lambda: _checked(_topology(args), world.size))
+        topo = agree(world, lambda: _checked(_topology(args), world.size, args.write if world.rank == 0 else None))
         classes = probe.pair_classes(topo, args.per_class)
         patterns = probe.host_patterns(topo)
         result = probe.measure(world, topo, classes, patterns, args.repeats)
@@ -83,12 +90,45 @@ def _in_job(args):
             ok = probe.report(topo, classes, found, probe.placement_problems(topo, machines), sys.stdout,
                               as_json=args.json)
             sys.stdout.flush()
+        if args.write:
+            agree(world, lambda: _write(topo, found, args.write, sys.stderr if args.json else sys.stdout)
+                  if world.rank == 0 else None)
         return 0 if world.bcast(ok, root=0) else 1
     return as_rank(work)
 
 
-def _checked(topo, size):
+def _checked(topo, size, out=None):
     if topo.nranks != size:
         raise Error(f"{topo.source} has {topo.nranks} ranks but the job has {size}: launch "
                     f"mpiexec -n {topo.nranks}")
+    if out is not None:
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise Error(f"--write {out}: cannot write into {folder} (no such folder, or not writable); "
+                        f"give a path in a folder you can write")
+        if os.path.abspath(out) == os.path.abspath(topo.source or ""):
+            raise Error(f"--write {out} is the file being probed: give another path, so that the file "
+                        f"measured against stays as it was")
     return topo
+
+
+def _write(topo, found, out, stream):
+    """Write the calibrated copy of ``topo`` to ``out`` (rank 0) and say what changed."""
+    from ..calibrate import calibrated
+    from ..topology import Topology
+    from ..topology_file import write
+
+    data, changes, notes = calibrated(topo, found)
+    Topology.from_dict(data, source=out)        # what is written loads
+    try:
+        write(data, out)
+    except OSError as exc:
+        raise Error(f"--write {out}: {exc.strerror or exc}") from None
+    if changes:
+        print(f"# wrote {out}: {topo.source} with {len(changes)} change{'' if len(changes) == 1 else 's'}:",
+              file=stream)
+    else:
+        print(f"# wrote {out}: the figures of {topo.source}, none differed", file=stream)
+    for line in changes + notes:
+        print(f"#   {line}", file=stream)
+    stream.flush()
