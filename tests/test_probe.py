@@ -173,6 +173,21 @@ def test_a_file_faster_than_the_machine_fails_and_names_the_link(tmp_path, env):
 
 
 @needs_mpi
+def test_write_leaves_nothing_where_the_placement_differs(tmp_path, env):
+    """Two hosts in the file, one machine in the job: what was measured is another layout's."""
+    two = tmp_path / "two-hosts.yaml"
+    two.write_text("name: two-hosts\nnodes:\n  - {id: sw, kind: switch}\n  - {id: \"h{i}\", kind: host, for: {i: 2}}\n"
+                   "  - {id: \"h{i}/cpu0\", kind: cpu, for: {i: 2}}\nlinks:\n"
+                   "  - {a: \"h{i}/cpu0\", b: \"h{i}\", bandwidth: 5 GB/s, for: {i: 2}}\n"
+                   "  - {a: \"h{i}\", b: sw, bandwidth: 1 GB/s, for: {i: 2}}\n"
+                   "ranks:\n  - {id: \"h{i}/cpu0\", for: {i: 2}}\n")
+    out = tmp_path / "out.yaml"
+    res = ddl_probe([str(two), "--write", str(out)], env)
+    assert res.returncode == 1 and "placement: DIFFERS" in res.stdout, res.stdout + res.stderr
+    assert f"# not written: {out}: the ranks ran otherwise" in res.stdout and not out.exists()
+
+
+@needs_mpi
 def test_write_refuses_a_folder_it_cannot_write_and_the_file_itself(tmp_path, env):
     """Checked before anything is measured: one clean error, exit 2, on every rank."""
     file = one_host(tmp_path, "5 GB/s")

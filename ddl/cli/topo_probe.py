@@ -37,8 +37,9 @@ def add_parser(sub):
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--write", metavar="OUT", help="also write FILE with the figures that differed replaced by "
                                                   "the measured ones (links that bound a slow route, a shared "
-                                                  "link, reduction rates) to OUT, YAML or .json; the exit "
-                                                  "status still judges FILE")
+                                                  "link, reduction rates) to OUT, YAML or .json; not where the "
+                                                  "placement differs from FILE. The exit status still "
+                                                  "judges FILE")
     p.set_defaults(func=cmd_probe)
 
 
@@ -87,11 +88,11 @@ def _in_job(args):
         if world.rank == 0:
             machines, pairs, timed, reduces = result
             found = probe.findings(topo, classes, pairs, reduces, args.tolerance, patterns, timed)
-            ok = probe.report(topo, classes, found, probe.placement_problems(topo, machines), sys.stdout,
-                              as_json=args.json)
+            problems = probe.placement_problems(topo, machines)
+            ok = probe.report(topo, classes, found, problems, sys.stdout, as_json=args.json)
             sys.stdout.flush()
         if args.write:
-            agree(world, lambda: _write(topo, found, args.write, sys.stderr if args.json else sys.stdout)
+            agree(world, lambda: _write(topo, found, problems, args.write, sys.stderr if args.json else sys.stdout)
                   if world.rank == 0 else None)
         return 0 if world.bcast(ok, root=0) else 1
     return as_rank(work)
@@ -112,12 +113,19 @@ def _checked(topo, size, out=None):
     return topo
 
 
-def _write(topo, found, out, stream):
-    """Write the calibrated copy of ``topo`` to ``out`` (rank 0) and say what changed."""
+def _write(topo, found, problems, out, stream):
+    """Write the calibrated copy of ``topo`` to ``out`` (rank 0) and say what changed; nothing where
+    the ranks were not placed as the file says (what was measured is then another layout's)."""
     from ..calibrate import calibrated
     from ..topology import Topology
     from ..topology_file import write
 
+    if problems:
+        print(f"# not written: {out}: the ranks ran otherwise than {topo.source} places them (placement, "
+              f"above), so what was measured is not the fabric the file describes; launch them as its "
+              f"ranks list says and probe again", file=stream)
+        stream.flush()
+        return
     data, changes, notes = calibrated(topo, found)
     Topology.from_dict(data, source=out)        # what is written loads
     try:
