@@ -11,8 +11,11 @@ What changes
 ============
 Only what was judged and failed (within the tolerance the file's figure stays):
 
-* a pair of ranks measured at ``r`` against the file's route bandwidth ``R``: every link that bounds
-  that route in the file (:attr:`ddl.probe.Finding.bottleneck`) is scaled to carry ``r``;
+* a pair of ranks measured at ``r`` against the file's route bandwidth ``R``: the links that bound
+  that route in the file (:attr:`ddl.probe.Finding.bottleneck`) are scaled to carry ``r`` -- all but
+  those that another pair crossed faster (a link carries at least what any measured route through
+  it moved): where a file gives a host's NIC and its rack's uplink the same guessed figure, the pair
+  within the rack measures the NIC, and the pair across racks blames the uplink alone;
 * flows all at once, each at ``r``: the busiest links they share are scaled to carry ``r`` times
   their flows -- but only when every pair alone measured as the file says, since a pair that is slow
   on its own also slows the flows, and that is not the shared link's doing (probe the written file
@@ -47,11 +50,29 @@ def calibrated(topo, found):
         if by < factor.get((u, v), math.inf):
             factor[(u, v)], why[(u, v)] = by, finding
 
+    link_of = {}                           # directed edge -> the file link it is (both ways for undirected)
+    for link in topo.links:
+        link_of.setdefault((link.a, link.b), (link.a, link.b))
+        if not link.directed:
+            link_of.setdefault((link.b, link.a), (link.a, link.b))
+    carried = {}                           # file link -> the most a measured pair moved through it
     for f in pairs:
-        if not f.ok:
-            for u, v, capacity in f.bottleneck:
-                scale(u, v, f.measured / capacity, f)
+        paths = topo.routes(*f.pair)
+        for path in paths:
+            for e in zip(path, path[1:]):
+                key = link_of.get(e, e)
+                carried[key] = max(carried.get(key, 0.0), f.measured / len(paths))
     notes = []
+    for f in pairs:
+        if f.ok:
+            continue
+        blamed = [(u, v, c) for u, v, c in f.bottleneck
+                  if carried[link_of.get((u, v), (u, v))] <= f.measured * (1 + f.tolerance)]
+        if not blamed:
+            notes.append(f"not taken: {f.label} {f.where} (every link that bounds its route carried more for "
+                         f"another pair)")
+        for u, v, capacity in blamed:
+            scale(u, v, carried[link_of.get((u, v), (u, v))] / capacity, f)
     pairs_hold = all(f.ok for f in pairs)
     held = {(u, v) for f in pairs + patterns if f.ok for u, v, *_ in f.bottleneck}
     for f in patterns:

@@ -86,6 +86,7 @@ class Finding:
     expected_latency: float = None
     nbytes: int = 0
     bottleneck: list = field(default_factory=list)
+    pair: tuple = None      # (i, j) of a pair's finding
 
     @property
     def ratio(self):
@@ -391,7 +392,7 @@ def findings(topo, classes, pairs, reduces, tolerance=TOLERANCE, patterns=(), ti
             rate, lat = pairs[(i, j)]
             out.append(Finding("bandwidth", c.label, f"{i} -> {j} ({topo.ranks[i]} -> {topo.ranks[j]})",
                                c.rate if math.isfinite(c.rate) else None, rate, tolerance, lat, c.latency,
-                               transfer_bytes(c.rate), route_bottleneck(topo, i, j)))
+                               transfer_bytes(c.rate), route_bottleneck(topo, i, j), (i, j)))
     for pat, seconds in zip(patterns, timed):
         nbytes = transfer_bytes(pat.rate)
         shown = ", ".join(f"{i} -> {j}" for i, j in pat.flows[:3]) + (", ..." if len(pat.flows) > 3 else "")

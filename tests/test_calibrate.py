@@ -122,3 +122,23 @@ def test_a_faster_fabric_scales_up_parallel_links_alike():
     data, changes, _ = calibrated(topo, found)
     assert rates(data)[("a", "b")] == pytest.approx(15e9, rel=1e-3) and len(changes) == 1
     assert Topology.from_dict(data).route_bandwidth(0, 1) == pytest.approx(30e9, rel=1e-3)
+
+
+def test_a_guessed_file_gets_each_tier_from_the_pair_that_measures_it():
+    """A file of the right shape whose NICs and uplinks all say a guessed 1 GB/s, on the racks of
+    emulated-2rack (50 MB/s NICs, 12.5 MB/s uplinks): the pair across the racks is bounded in the
+    file by its NICs and the uplinks alike, but its NICs carried 50 MB/s for the pairs within a rack,
+    so only the uplinks take its 12.5 MB/s."""
+    real = Topology.load(ZOO / "emulated-2rack.yaml")
+    shape = real.to_dict()
+    for link in shape["links"]:
+        if "cpu" not in link["a"]:
+            link["bandwidth"] = "1 GB/s"
+    guess = Topology.from_dict(shape, source="guess.yaml")
+    classes, patterns = probe.pair_classes(guess, per_class=4), probe.host_patterns(guess)
+    pairs = {(i, j): (real.route_bandwidth(i, j), 1e-5) for c in classes for i, j in c.pairs}
+    timed = [probe.transfer_bytes(p.rate) / p.rate for p in patterns]
+    found = probe.findings(guess, classes, pairs, {r: 2e9 for r in range(8)}, 0.15, patterns, timed)
+    data, changes, notes = calibrated(guess, found)
+    assert rates(data) == pytest.approx({(link.a, link.b): link.bandwidth for link in real.links}, rel=1e-3)
+    assert len(changes) == 6
