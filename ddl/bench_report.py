@@ -148,7 +148,8 @@ def print_summary(rows, out, emulated=False, topology_file=None):
                f"{topology_file}` under the same launch says which links (`--write OUT`: a copy with what it "
                f"measured)" if topology_file else
                f"with no topology file ddl planned and predicted for a flat network of {FLAT_BANDWIDTH} per "
-               f"rank: give it the cluster's file (`ddl topo probe FILE` checks one against the fabric)")
+               f"rank: give it the cluster's file (`ddl topo probe FILE --write OUT` checks one against the "
+               f"fabric and writes the rates it measured)")
         print(f"# slower than predicted: {', '.join(slow)}: {why}", file=out)
 
 

@@ -362,9 +362,9 @@ def test_a_time_far_over_its_prediction_points_at_the_probe():
         print_summary([r], out, topology_file=file)
         return [line for line in out.getvalue().splitlines() if "slower than predicted" in line]
     note, = notes(64 << 20, 2.1)
-    assert "ddl at 64 MiB (2.10)" in note and "`ddl topo probe cluster.yaml`" in note
+    assert "ddl at 64 MiB (2.10)" in note and "`ddl topo probe cluster.yaml`" in note and "--write OUT" in note
     flat, = notes(64 << 20, 2.1, file=None)
-    assert "no topology file" in flat and "10 GB/s per rank" in flat
+    assert "no topology file" in flat and "10 GB/s per rank" in flat and "--write OUT" in flat
     assert notes(64 << 20, 1.4) == [] and notes(512 << 10, 3.0) == [] and notes(64 << 20, 3.0, "mpi") == []
 
 
