@@ -74,7 +74,7 @@ def calibrated(topo, found):
         for u, v, capacity in blamed:
             scale(u, v, carried[link_of.get((u, v), (u, v))] / capacity, f)
     pairs_hold = all(f.ok for f in pairs)
-    held = {(u, v) for f in pairs + patterns if f.ok for u, v, *_ in f.bottleneck}
+    held = {link_of.get((u, v), (u, v)) for f in pairs + patterns if f.ok for u, v, *_ in f.bottleneck}
     for f in patterns:
         if f.ok:
             continue
@@ -82,7 +82,7 @@ def calibrated(topo, found):
             notes.append(f"not taken: {f.label} {f.where} (pairs alone differ from the file too: probe the "
                          f"written file again to take the links these flows share)")
             continue
-        suspects = [b for b in f.bottleneck if (b[0], b[1]) not in held]
+        suspects = [b for b in f.bottleneck if link_of.get((b[0], b[1]), (b[0], b[1])) not in held]
         if not suspects:
             notes.append(f"not taken: {f.label} {f.where} (every link it loads most carried the file's rate "
                          f"in another measurement)")
@@ -115,9 +115,8 @@ def calibrated(topo, found):
 
     tolerance = found[0].tolerance if found else 0.0
     said = f"{data['description'].rstrip()}\n" if data.get("description") else ""
-    described = (f"{said}Bandwidths and reduction rates measured by `ddl topo probe --write` where "
-                           f"they differed from {topo.source or topo.name} by more than {tolerance:.0%}: "
-                           f"{len(changes)} change{'' if len(changes) == 1 else 's'}.")
-    data.pop("description", None)
-    data = {"name": data.pop("name"), "description": described, **data}
-    return data, changes, notes
+    described = (f"{said}Bandwidths and reduction rates measured by `ddl topo probe --write` where they "
+                 f"differed from {topo.source or topo.name} by more than {tolerance:.0%}: {len(changes)} "
+                 f"change{'' if len(changes) == 1 else 's'}.")
+    rest = {key: value for key, value in data.items() if key not in ("name", "description")}
+    return {"name": data["name"], "description": described, **rest}, changes, notes
