@@ -33,7 +33,7 @@ measured; measured figures are written to four significant digits.
 """
 import math
 
-from .probe import reduce_groups
+from .probe import reduce_groups, route_links
 from .units import format_bandwidth
 
 
@@ -55,26 +55,27 @@ def calibrated(topo, found):
         link_of.setdefault((link.a, link.b), (link.a, link.b))
         if not link.directed:
             link_of.setdefault((link.b, link.a), (link.a, link.b))
+
+    def file_link(u, v):
+        return link_of.get((u, v), (u, v))
+
     carried = {}                           # file link -> the most a measured pair moved through it
     for f in pairs:
-        paths = topo.routes(*f.pair)
-        for path in paths:
-            for e in zip(path, path[1:]):
-                key = link_of.get(e, e)
-                carried[key] = max(carried.get(key, 0.0), f.measured / len(paths))
+        for u, v, share in route_links(topo, *f.pair):
+            key = file_link(u, v)
+            carried[key] = max(carried.get(key, 0.0), f.measured * share)
     notes = []
     for f in pairs:
         if f.ok:
             continue
-        blamed = [(u, v, c) for u, v, c in f.bottleneck
-                  if carried[link_of.get((u, v), (u, v))] <= f.measured * (1 + f.tolerance)]
+        blamed = [(u, v, c) for u, v, c in f.bottleneck if carried[file_link(u, v)] <= f.measured * (1 + f.tolerance)]
         if not blamed:
             notes.append(f"not taken: {f.label} {f.where} (every link that bounds its route carried more for "
                          f"another pair)")
         for u, v, capacity in blamed:
-            scale(u, v, carried[link_of.get((u, v), (u, v))] / capacity, f)
+            scale(u, v, carried[file_link(u, v)] / capacity, f)
     pairs_hold = all(f.ok for f in pairs)
-    held = {link_of.get((u, v), (u, v)) for f in pairs + patterns if f.ok for u, v, *_ in f.bottleneck}
+    held = {file_link(u, v) for f in pairs + patterns if f.ok for u, v, *_ in f.bottleneck}
     for f in patterns:
         if f.ok:
             continue
@@ -82,7 +83,7 @@ def calibrated(topo, found):
             notes.append(f"not taken: {f.label} {f.where} (pairs alone differ from the file too: probe the "
                          f"written file again to take the links these flows share)")
             continue
-        suspects = [b for b in f.bottleneck if link_of.get((b[0], b[1]), (b[0], b[1])) not in held]
+        suspects = [b for b in f.bottleneck if file_link(b[0], b[1]) not in held]
         if not suspects:
             notes.append(f"not taken: {f.label} {f.where} (every link it loads most carried the file's rate "
                          f"in another measurement)")

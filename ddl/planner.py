@@ -292,9 +292,9 @@ class Planner:
         verified = proved.get(chosen) is True or _verified(sched)
         bound = lower_bound(self.topo, collective, nbytes, root=root)
         baselines = {n: s.seconds for n, (_, s) in candidates.items() if n != chosen}
-        reason = _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes)
-        if chosen != fastest and algorithm == AUTO:
-            reason = _explain_fewer(chosen, sim, fastest, candidates[fastest][1], margin, bound)
+        reason = (_explain_fewer(chosen, sim, fastest, candidates[fastest][1], margin, bound)
+                  if algorithm == AUTO and chosen != fastest else
+                  _explain(chosen, algorithm, sim.seconds, baselines, outpaced, bound, nbytes))
         key = _key(collective, nbytes, algorithm, root)
         # a plan made ahead of a job (``ddl plan``) is found by its ranks; the first stored stays (0 bytes:
         # every algorithm ties, so not the 1-byte class's plan)

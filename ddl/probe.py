@@ -64,7 +64,6 @@ class PairClass:
     hops: int
     size: int               # how many rank pairs (of those considered) fall in the class
     pairs: list
-    bottleneck: list        # [(u, v, bytes/s)]: the links that bound the first pair's route (route_bottleneck)
     skip: str = None        # why the class is not measured
 
     @property
@@ -157,7 +156,7 @@ def pair_classes(topo, per_class=1):
         pairs = _spread(topo, list(members), per_class)
         i, j = pairs[0]
         gpu = any(topo.kind(topo.ranks[r]) == "gpu" for r in (i, j))
-        classes.append(PairClass(same, rate, latency, hops, len(members), pairs, route_bottleneck(topo, i, j),
+        classes.append(PairClass(same, rate, latency, hops, len(members), pairs,
                                  GPU_PAIR_SKIP if same and gpu else None))
     classes.sort(key=lambda c: (not c.same_host, -c.rate, c.latency, c.hops))
     return classes
@@ -168,6 +167,13 @@ def route_bottleneck(topo, i, j):
     in the file (of its first path, where several tie)."""
     path, rate = topo.routes(i, j)[0], topo.route_bandwidth(i, j)
     return [(u, v, topo.capacity(u, v)) for u, v in zip(path, path[1:]) if topo.capacity(u, v) <= rate]
+
+
+def route_links(topo, i, j):
+    """``[(u, v, share)]``: every link of the routes from rank ``i`` to ``j``, with the part of the pair's
+    data it carries (routes that tie split it evenly, as the simulator and executors do)."""
+    routes = topo.routes(i, j)
+    return [(u, v, 1 / len(routes)) for path in routes for u, v in zip(path, path[1:])]
 
 
 def _spread(topo, pairs, limit):
@@ -209,10 +215,8 @@ def host_patterns(topo):
         flows = [(leaders[k], leaders[(k + shift) % h]) for k in range(h)]
         load = {}
         for i, j in flows:
-            routes = topo.routes(i, j)
-            for path in routes:
-                for u, v in zip(path, path[1:]):
-                    load[(u, v)] = load.get((u, v), 0.0) + 1 / len(routes)
+            for u, v, share in route_links(topo, i, j):
+                load[(u, v)] = load.get((u, v), 0.0) + share
         share = {e: topo.capacity(*e) / n for e, n in load.items()}      # each flow's part of the link
         rate = min(share.values())
         busiest = [(u, v, topo.capacity(u, v), load[(u, v)]) for (u, v), r in share.items() if r <= rate * (1 + 1e-9)]

@@ -31,8 +31,9 @@ def test_two_rack_classes_are_the_host_the_rack_and_the_spine():
         ("same host", 5e9, 2), ("between hosts", 50e6, 4), ("between hosts", 12.5e6, 6)]
     assert [c.pairs for c in classes] == [[(0, 1)], [(0, 2)], [(0, 4)]]
     # the links that bound each route, to name in a fix
-    assert [(u, v) for u, v, _ in classes[1].bottleneck] == [("h0", "rack0"), ("rack0", "h1")]
-    assert [(u, v) for u, v, _ in classes[2].bottleneck] == [("rack0", "spine"), ("spine", "rack1")]
+    topo = zoo("emulated-2rack")
+    assert [(u, v) for u, v, _ in probe.route_bottleneck(topo, *classes[1].pairs[0])] == [("h0", "rack0"), ("rack0", "h1")]
+    assert [(u, v) for u, v, _ in probe.route_bottleneck(topo, *classes[2].pairs[0])] == [("rack0", "spine"), ("spine", "rack1")]
     assert all(c.skip is None for c in classes)
     assert sum(c.size for c in classes) == 8 + 12 + 24    # every pair from or to a host's first rank
 
