@@ -321,7 +321,7 @@ def fake_run(monkeypatch):
     monkeypatch.setattr(netns.Cluster, "create",
                         classmethod(lambda cls, topo, scale=1.0, mtu=1500: _FakeCluster(record, scale, mtu)))
     monkeypatch.setattr(cli, "_check", lambda *a: record.update(checked=True))
-    monkeypatch.setattr(launch, "find_mpiexec", lambda: "mpiexec")
+    monkeypatch.setattr(launch, "find_hydra", lambda: "mpiexec")
 
     def run(cluster, argv, placement, env=None, timeout=None, **kw):
         record.update(cmd=list(argv), timeout=timeout)
@@ -480,7 +480,7 @@ def _skip_reason():
     if missing:
         return f"emulation needs {', '.join(missing)} on PATH"
     try:
-        launch.find_mpiexec()
+        launch.find_hydra()
     except Error as exc:
         return str(exc)
     return None

@@ -5,8 +5,6 @@ against a device-to-device copy (printed), a single-rank NCCL communicator, and 
 Allreduce on CuPy arrays with several ranks under mpiexec sharing the GPU(s) -- where NCCL refuses
 two ranks on one device, the fallback path runs and must match numpy and the host executor.
 """
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +26,7 @@ import ddl  # noqa: E402
 from ddl.gpu import buffers as B  # noqa: E402
 from ddl.gpu import kernels as K  # noqa: E402
 from ddl.gpu.executor import NcclExecutor, nccl_status  # noqa: E402
+from mpi_cases._launch import job_env, mpi_command  # noqa: E402
 
 try:
     import ml_dtypes
@@ -292,13 +291,10 @@ _SCRIPT = textwrap.dedent('''
 
 def _result_under_mpiexec(tmp_path, nranks, text, **env):
     """Run the script ``text`` on ``nranks`` ranks (exit status 0 asserted); its rank 0's RESULT line."""
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found")
     script = tmp_path / "gpu_script.py"
     script.write_text(text)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), **env)
-    proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT, env=env,
+    env = job_env(PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), **env)
+    proc = subprocess.run([*mpi_command(nranks), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)
     assert proc.returncode == 0, proc.stdout[-6000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
@@ -403,11 +399,8 @@ def test_torch_hook_example_on_the_gpu():
     """examples/torch_hook.py --device cuda: gradients averaged in place on the GPU under mpiexec, the
     loss curve equal to single-process training and the replicas identical."""
     pytest.importorskip("torch")
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "examples/torch_hook.py", "--device", "cuda",
-                           "--steps", "6"], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    proc = subprocess.run([*mpi_command(2), sys.executable, "examples/torch_hook.py", "--device", "cuda",
+                           "--steps", "6"], cwd=ROOT, env=job_env(PYTHONUNBUFFERED="1"),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280)
     assert proc.returncode == 0 and "TORCH_HOOK OK" in proc.stdout, proc.stdout[-4000:]
     path = proc.stdout.split("path: ")[1].split()[0]

@@ -25,6 +25,7 @@ from ddl.gpu.launch_plan import (LAYOUTS, RECV_BUF, SCRATCH_BUF, SEND_BUF, WORK_
                                  launch_plan, transfer_levels)
 from ddl.planner import flat_topology
 from ddl.schedule import RECV, REDUCE, SEND
+from mpi_cases._launch import job_env, mpi_command
 
 try:
     import ml_dtypes
@@ -1152,16 +1153,12 @@ _MPI_SCRIPT = textwrap.dedent('''
 def test_fallback_paths_under_mpiexec_match_the_host_executor(tmp_path, path, nranks, algorithm):
     """The device executor's MPI step transport (the CUDA-aware-MPI path) and the host-staged path,
     run on host memory under mpiexec: results bitwise equal to ddl's host executor, every layout."""
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found")
     script = tmp_path / "gpu_fallback.py"
     script.write_text(_MPI_SCRIPT)
     # DDL_INLINE_BYTES=0: the host reference runs its schedule at every size (small allreduces would
     # otherwise be reduced from the shared-memory board, in another order than the schedule's)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
-    env.pop("DDL_TOPOLOGY", None)
-    proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script), path, algorithm],
+    env = job_env(PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
+    proc = subprocess.run([*mpi_command(nranks), sys.executable, "-m", "mpi4py", str(script), path, algorithm],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=550)
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert f"RESULT {path}:" in proc.stdout, proc.stdout[-3000:]

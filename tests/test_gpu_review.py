@@ -4,14 +4,13 @@ run on host memory (HostRuntime) under mpiexec, as in test_gpu_nodevice.py.
 The host path guarantees (README, errors and stalls) that a failure on one rank never leaves the others
 blocked, that a call refused on one rank is announced to the others, and that a rank that does not
 arrive gives a StallError, not a hang. These check the same on the device path."""
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from mpi_cases._launch import job_env, mpi_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,15 +101,11 @@ _SCRIPT = textwrap.dedent('''
 
 
 def _run(tmp_path, case, nranks, timeout):
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found")
     script = tmp_path / "gpu_review.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
-    env.pop("DDL_TOPOLOGY", None)
+    env = job_env(PYTHONUNBUFFERED="1", DDL_CACHE_DIR=str(tmp_path / "plans"), DDL_INLINE_BYTES="0")
     try:
-        proc = subprocess.run([mpiexec, "-n", str(nranks), sys.executable, "-m", "mpi4py", str(script), case],
+        proc = subprocess.run([*mpi_command(nranks), sys.executable, "-m", "mpi4py", str(script), case],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired as exc:

@@ -2,22 +2,17 @@
 under mpiexec on this machine. The run on an emulated cluster slower than its file is in test_emulate.py."""
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from ddl import probe
 from ddl.probe import Finding, pair_classes, placement_problems, transfer_bytes
 from ddl.topology import Topology
+from mpi_cases._launch import ROOT, job_env, mpi_command, needs_mpi
 
-ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "topologies"
-MPIEXEC = shutil.which("mpiexec")
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 
 def zoo(name):
@@ -142,7 +137,7 @@ ranks:
 
 @pytest.fixture()
 def env():
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "DDL_TOPOLOGY"))}
+    return job_env()
 
 
 def one_host(tmp_path, bandwidth):
@@ -152,7 +147,7 @@ def one_host(tmp_path, bandwidth):
 
 
 def ddl_probe(args, env, mpi=2, timeout=120):
-    cmd = ([MPIEXEC, "-n", str(mpi)] if mpi else []) + [sys.executable, "-m", "ddl", "topo", "probe", *args]
+    cmd = (mpi_command(mpi) if mpi else []) + [sys.executable, "-m", "ddl", "topo", "probe", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

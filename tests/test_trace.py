@@ -2,17 +2,15 @@
 summary, and a real traced run under mpiexec whose every message is in the file."""
 import collections
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from mpi_cases._launch import MPIEXEC, ROOT, run_ok
+from mpi_cases._launch import ROOT, job_env, mpi_command, needs_mpi, run_ok
 
 from ddl import trace
 from ddl.trace import ARRIVE, CALL, DATA, END, POST
 
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 
 def _two_rank_call(label="c", skew=0.0):
@@ -84,10 +82,9 @@ def test_a_traced_run_records_every_message_of_every_timed_call(tmp_path):
     topo_file = tmp_path / "flat-4.yaml"
     flat_topology(4, "10 Gbit/s", "10 us").dump(topo_file)
     out = tmp_path / "t.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "DDL_TOPOLOGY"))}
-    env["DDL_CACHE_DIR"] = str(tmp_path / "plans")
+    env = job_env(DDL_CACHE_DIR=str(tmp_path / "plans"))
     nbytes, iters = 8 << 20, 2
-    p = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "-m", "ddl", "bench", str(topo_file), "--bytes",
+    p = subprocess.run([*mpi_command(4), sys.executable, "-m", "ddl", "bench", str(topo_file), "--bytes",
                         str(nbytes), "--iters", str(iters), "--peers", "mpi", "--json", "--trace", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -225,8 +225,8 @@ def forward_argv(opts):
 
 
 def _relaunch_mpiexec(opts, n):
-    from ..emulate.launch import find_mpiexec
-    cmd = [find_mpiexec(), "-n", str(n), sys.executable, "-m", "ddl", "bench", *forward_argv(opts)]
+    from ..launcher import local_command
+    cmd = [*local_command(n), sys.executable, "-m", "ddl", "bench", *forward_argv(opts)]
     print(f"ddl bench: not under mpiexec: launching {n} ranks on this machine: "
           f"mpiexec -n {n} {os.path.basename(sys.executable)} -m ddl bench ... "
           f"(use --emulate for the emulated cluster)", file=sys.stderr, flush=True)

@@ -154,7 +154,7 @@ def cmd_run(args):
         raise Error(f"--timeout must be a positive number of seconds, got {args.timeout:g} "
                     "(leave it out for no limit)")
     topo = _load(args.file)
-    launch.find_mpiexec()
+    launch.find_hydra()
     with Cluster.create(topo, scale=args.scale, mtu=args.mtu) as cluster:
         if not args.no_check:
             _check(cluster, topo, sys.stderr)

@@ -62,7 +62,7 @@ def cmd_probe(args):
     if under_mpi():
         return _in_job(args)
     topo = _topology(args)
-    from ..emulate.launch import find_mpiexec
+    from ..launcher import local_command
     n = topo.nranks
     argv = [topo.source, "--per-class", str(args.per_class), "--repeats", str(args.repeats),
             "--tolerance", repr(args.tolerance)] + (["--json"] if args.json else [])
@@ -70,7 +70,7 @@ def cmd_probe(args):
         argv += ["--write", args.write]
     print(f"ddl topo probe: not under mpiexec: launching {n} rank{'s' if n != 1 else ''} on this machine "
           f"(for a cluster, run it under mpiexec with your job's host list)", file=sys.stderr, flush=True)
-    return _child([find_mpiexec(), "-n", str(n), sys.executable, "-m", "ddl", "topo", "probe", *argv])
+    return _child([*local_command(n), sys.executable, "-m", "ddl", "topo", "probe", *argv])
 
 
 def _in_job(args):

@@ -24,7 +24,6 @@ import array
 import fcntl
 import os
 import shlex
-import shutil
 import signal
 import stat
 import subprocess
@@ -32,9 +31,9 @@ import sys
 import termios
 import time
 import warnings
-from pathlib import Path
 
 from ..errors import Error
+from ..launcher import MPICH, UNKNOWN, find_mpiexec, flavor
 
 TRANSPORT_ENV = {
     "MPIR_CVAR_CH4_NETMOD": "ofi",   # not UCX: UCX finds the shared kernel and uses shared memory
@@ -46,12 +45,17 @@ TRANSPORT_ENV = {
 SSH_STANDIN = "ns-ssh"
 
 
-def find_mpiexec():
-    """MPICH's hydra ``mpiexec``: the one installed beside this Python (the mpich wheel), else on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    path = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not path:
-        raise Error("mpiexec not found: install MPICH (pip install mpich mpi4py)")
+def find_hydra():
+    """MPICH's ``mpiexec`` (hydra), the one :func:`ddl.launcher.find_mpiexec` finds; another MPI's is
+    refused, since the launch goes through hydra's ssh launcher and :data:`TRANSPORT_ENV` is MPICH's."""
+    path = find_mpiexec()
+    found = flavor(path)
+    if found != MPICH:
+        raise Error(f"ddl emulate runs jobs with MPICH's mpiexec (hydra: one proxy per emulated host, "
+                    f"MPICH's settings that keep its traffic on the emulated links); {path} is "
+                    f"{'an unknown MPI' if found == UNKNOWN else found}'s. Emulate from a virtual environment "
+                    f"whose mpiexec is MPICH's: the one `make demo` sets up (.venv), or any with "
+                    f"`pip install mpich mpi4py`")
     return path
 
 
@@ -133,7 +137,7 @@ def mpiexec_argv(cluster, argv, placement, env=None):
     settings.update(env or {})
     genv = [a for k, v in settings.items() for a in ("-genv", k, str(v))]
     first = plan.host(placement[0])
-    cmd = [find_mpiexec(), "-localhost", first.address, "-launcher", "ssh", "-launcher-exec", str(ssh),
+    cmd = [find_hydra(), "-localhost", first.address, "-launcher", "ssh", "-launcher-exec", str(ssh),
            "-hosts", hosts, "-n", str(len(placement)), *genv, *argv]
     return cluster.host_argv(first.id, cmd)
 

@@ -1,6 +1,7 @@
 """Launching the MPI case scripts from pytest: real processes under ``mpiexec``."""
 import atexit
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,10 +11,44 @@ from pathlib import Path
 
 import pytest
 
+from ddl.errors import Error
+from ddl.launcher import find_mpiexec, local_command
+
 ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).resolve().parent
-MPIEXEC = shutil.which("mpiexec")
+try:
+    MPIEXEC = find_mpiexec()        # the one ddl itself would start jobs with
+except Error:
+    MPIEXEC = None
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 _CACHE = None
+_RANK_VARIABLES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_", "OMPI_FIRST_RANKS", "MPI_LOCAL")
+
+
+def mpi_command(n):
+    """The argv prefix that starts ``n`` ranks on this machine (skips the test without an mpiexec)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    return local_command(n, MPIEXEC)
+
+
+def job_env(**extra):
+    """This environment for a job of its own: without the variables that make a process an MPI rank
+    (were pytest itself under mpiexec) and without ``DDL_TOPOLOGY``; settings for the launcher, such as
+    Open MPI's ``OMPI_ALLOW_RUN_AS_ROOT`` or ``OMPI_MCA_*``, stay."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_RANK_VARIABLES) and k != "DDL_TOPOLOGY"}
+    env.update(extra)
+    return env
+
+
+_LAUNCHER_REPORT = re.compile(r"^-{40,}\n.*?^-{40,}\n|^\[[^\]\n]*\] PMIX ERROR: .*\n", re.M | re.S)
+
+
+def without_launcher_report(text):
+    """A job's output without what the launcher adds on its own: Open MPI's ``mpiexec`` says in a
+    frame of dashes that a rank exited with a nonzero status (MPICH's says nothing), and PMIx may
+    complain of ranks that have gone. What is left is what the ranks said."""
+    return _LAUNCHER_REPORT.sub("", text)
 
 
 def plan_cache():
@@ -27,13 +62,9 @@ def plan_cache():
 
 def run_mpi(n, script, *args, timeout=120, mpi4py_main=True, env=None):
     """Run ``script`` on ``n`` ranks; returns (returncode, combined output, seconds)."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
     path = script if os.path.isabs(script) else str(CASES / script) if (CASES / script).exists() else str(ROOT / script)
-    cmd = [MPIEXEC, "-n", str(n), sys.executable] + (["-m", "mpi4py"] if mpi4py_main else []) + [path, *map(str, args)]
-    full_env = dict(os.environ, DDL_CACHE_DIR=plan_cache(), PYTHONUNBUFFERED="1")
-    full_env.pop("DDL_TOPOLOGY", None)
-    full_env.update(env or {})
+    cmd = [*mpi_command(n), sys.executable] + (["-m", "mpi4py"] if mpi4py_main else []) + [path, *map(str, args)]
+    full_env = job_env(DDL_CACHE_DIR=plan_cache(), PYTHONUNBUFFERED="1", **(env or {}))
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
