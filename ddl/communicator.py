@@ -246,6 +246,7 @@ class Communicator:
         self._board = None
         node = comm.Split_type(MPI.COMM_TYPE_SHARED) if self.size > 1 else None
         local = node.Get_size() if node is not None else 1
+        cores = len(set().union(*node.allgather(_affinity()))) if node is not None else len(_affinity())
         if node is not None:
             node.Free()
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
@@ -259,9 +260,9 @@ class Communicator:
         if use_board:
             self._board = ShmBoard(self._pcomm)
         over = os.environ.get("DDL_OVERSUBSCRIBED", "")
-        oversubscribed = local > _cores() if over == "" else over not in ("0", "false", "no")
+        self.oversubscribed = local > cores if over == "" else over not in ("0", "false", "no")
         self._engine = Engine(self._pcomm, self._gcomm, stall["stall_warning"], stall["stall_timeout"],
-                              board=self._board, oversubscribed=oversubscribed, scratch_bytes=scratch_bytes)
+                              board=self._board, oversubscribed=self.oversubscribed, scratch_bytes=scratch_bytes)
         self._seq = 0
         self._plans = {}
         self._schedule_digests = {}
@@ -958,11 +959,15 @@ def _where(array):
     return array.__array_interface__["data"][0], array.size
 
 
-def _cores():
+def _affinity():
+    """The CPUs this process may run on. The node's ranks together are oversubscribed when the union
+    of theirs is smaller than their number: a launcher that pins every rank to a core of its own
+    (Intel MPI's and Open MPI's do by default, Slurm's --cpu-bind) leaves each rank one CPU, and yet
+    no two ranks share one."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
 def _same_memory(a, b, what):

@@ -32,3 +32,16 @@ def test_late_posted_receives_and_mpi_agreement():
     and the agreement runs as MPI_Iallreduce instead of through shared memory."""
     out = run_ok(3, "collectives.py", "quick", env={"DDL_EARLY_LIMIT": "16", "DDL_AGREEMENT": "mpi"})
     assert _checks(out)[1] == 3 and "agreement mpi" in out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to pin ranks to")
+@pytest.mark.parametrize("pinned, oversubscribed", [("own", False), ("shared", True)])
+def test_ranks_pinned_each_to_a_cpu_of_its_own_are_not_oversubscribed(pinned, oversubscribed):
+    """Intel MPI's and Open MPI's launchers pin every rank to one core: each rank then sees a single
+    CPU, but the node is oversubscribed only where the ranks' CPUs together are fewer than the ranks."""
+    out = run_ok(2, "pinned.py", pinned, env={"DDL_OVERSUBSCRIBED": ""})
+    said = re.findall(r"RESULT rank (\d) on \[(\d+)\]: oversubscribed (True|False)", out)
+    assert sorted(r for r, _, _ in said) == ["0", "1"], out[-2000:]
+    assert len({cpu for _, cpu, _ in said}) == (2 if pinned == "own" else 1)
+    assert {flag for _, _, flag in said} == {str(oversubscribed)}
