@@ -66,15 +66,17 @@ Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement bo
 :class:`ddl.agreement.ShmBoard`), and when nothing completed:
 
 * node not oversubscribed (a core per rank): spin a few polls, then ``sched_yield``, then naps backing
-  off from 100 us to 1 ms after 2 ms without progress;
-* oversubscribed (more ranks than cores on the node, detected; env ``DDL_OVERSUBSCRIBED``): a waiting
-  rank must leave the CPU to the rank it waits for: it yields after every empty poll, and after 1 ms
-  without progress sleeps on a futex *doorbell* that peers ring when they send it a message or
-  complete an agreement (:class:`Doorbell`, x86-64 Linux, one node), or else naps 20-200 us. A
-  spinning MPI is what makes 8 ranks on 2 cores slow under any competing load.
+  off from 100 us to 1 ms after 2 ms without progress, or after 50 ms while a message above MPI's
+  eager size is in flight: some MPIs move such a message only while both ranks are inside MPI (Intel
+  MPI between ranks of one host: napping there made a 64 MiB allreduce on 2 ranks 4x slower);
+* oversubscribed (more ranks on the node than the CPUs they may run on together, detected; env
+  ``DDL_OVERSUBSCRIBED``): a waiting rank must leave the CPU to the rank it waits for: it yields after
+  every empty poll, and after 1 ms without progress sleeps on a futex *doorbell* that peers ring when
+  they send it a message or complete an agreement (:class:`Doorbell`, x86-64 Linux, one node), or else
+  naps 20-200 us. A spinning MPI is what makes 8 ranks on 2 cores slow under any competing load.
 
-Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``DDL_IDLE_NAP``,
-``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0``, ``DDL_EARLY_LIMIT``,
+Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``DDL_IDLE_SLEEP_AFTER_LARGE``,
+``DDL_IDLE_NAP``, ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0``, ``DDL_EARLY_LIMIT``,
 ``DDL_LARGE_MESSAGE``).
 """
 import math
@@ -105,6 +107,23 @@ _VIEW_CACHE_BYTES = 1 << 20  # plans up to this size may keep their per-op views
 _EAGER_TEST = 4096           # sends up to this size are tested for completion right after MPI_Isend
 SCRATCH_BYTES = 1 << 30       # scratch kept for reuse, all plans together (env DDL_SCRATCH_BYTES; see ScratchPool)
 _ENGINES = []  # weak references to every live engine of this process (see Engine.poll); a plain list: len() is cheap
+
+
+def idle_policy(oversubscribed):
+    """``(spin, sleep_after, sleep_after_large, nap, nap_max)`` of a waiting rank (see
+    :meth:`Engine._drive_until` and the module docstring): ``spin`` empty polls, then ``sched_yield``
+    until ``sleep_after`` seconds without progress (``sleep_after_large`` while a large message is in
+    flight), then doorbell sleep or naps from ``nap`` to ``nap_max`` seconds. Oversubscribed: yield at
+    once, sleep after 1 ms, large messages or not (on the emulated clusters, where the kernel carries the
+    links on the same cores, yielding for 50 ms made the interleaved two racks' 64 MiB allreduce 4-11%
+    slower). Each can be set by environment."""
+    spin = _env_int("DDL_SPIN", 0 if oversubscribed else 64)
+    sleep_after = _env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
+    sleep_after_large = max(sleep_after, _env_float("DDL_IDLE_SLEEP_AFTER_LARGE",
+                                                    sleep_after if oversubscribed else 0.05))
+    nap = _env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
+    nap_max = max(nap, _env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))
+    return spin, sleep_after, sleep_after_large, nap, nap_max
 
 
 def in_flight_everywhere():
@@ -501,12 +520,7 @@ class Engine:
         self._status_reqs = []
         self._last_status_poll = 0.0
         self.oversubscribed = oversubscribed
-        # idle policy (see _drive_until): `spin` empty polls, then sched_yield until `sleep_after` s without
-        # progress, then doorbell sleep or naps. Oversubscribed: yield at once, sleep after 1 ms.
-        self.spin = _env_int("DDL_SPIN", 0 if oversubscribed else 64)
-        self.sleep_after = _env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
-        self.nap = _env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
-        self.nap_max = max(self.nap, _env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))
+        self.spin, self.sleep_after, self.sleep_after_large, self.nap, self.nap_max = idle_policy(oversubscribed)
         if oversubscribed and os.environ.get("DDL_TIMERSLACK", "1") != "0":
             _tight_timer_slack()
         use_bell = os.environ.get("DDL_DOORBELL", "auto")
@@ -1023,7 +1037,7 @@ class Engine:
     def _drive_loop(self, cond, ex):
         idle = 0
         poll = self.poll
-        spin, sleep_after, nap0, nap_max = self.spin, self.sleep_after, self.nap, self.nap_max
+        spin, nap0, nap_max = self.spin, self.nap, self.nap_max
         bell = self.bell
         nap = nap0
         last = time.monotonic()
@@ -1043,7 +1057,7 @@ class Engine:
                 self._watchdog(now)
                 if ex.done:
                     break
-            if now - last < sleep_after:
+            if now - last < (self.sleep_after_large if self._large else self.sleep_after):
                 os.sched_yield()
             elif bell is not None and not self._large:
                 v = bell.prepare()   # flag up, bell read before the last poll: no ring can be lost

@@ -350,3 +350,38 @@ def test_a_span_whose_chunks_take_different_operand_orders_is_reduced_chunk_by_c
     want = np.maximum(incoming0, local0)
     assert want.tobytes() != np.maximum(local0, incoming0).tobytes()    # +0.0 and -0.0: the order shows
     assert recv.tobytes() == np.concatenate([want, [7.0, 7.0]]).tobytes()
+
+
+def test_the_idle_policy_keeps_driving_large_messages_where_each_rank_has_a_core(monkeypatch):
+    """Some MPIs move a message above the eager size only while both ranks are in MPI (Intel MPI on one
+    host): a rank with a core of its own yields for 50 ms before it naps while one is in flight, 2 ms
+    otherwise; an oversubscribed one leaves its core after 1 ms either way. Environment overrides."""
+    from ddl.executor import idle_policy
+    for key in ("DDL_SPIN", "DDL_IDLE_SLEEP_AFTER", "DDL_IDLE_SLEEP_AFTER_LARGE", "DDL_IDLE_NAP", "DDL_IDLE_NAP_MAX"):
+        monkeypatch.delenv(key, raising=False)
+    assert idle_policy(False) == (64, 0.002, 0.05, 0.0001, 0.001)
+    assert idle_policy(True) == (0, 0.001, 0.001, 0.00002, 0.0002)
+    monkeypatch.setenv("DDL_IDLE_SLEEP_AFTER_LARGE", "0.2")
+    assert idle_policy(True)[2] == 0.2
+    monkeypatch.setenv("DDL_IDLE_SLEEP_AFTER_LARGE", "0")          # never shorter than for any message
+    assert idle_policy(False)[1:3] == (0.002, 0.002)
+
+
+@pytest.mark.parametrize("large", [0, 1])
+def test_a_waiting_rank_naps_only_after_its_idle_time(monkeypatch, large):
+    """The wait loop itself, nothing ever completing for 30 ms: with a large message in flight it only
+    yields; without, it naps once 2 ms have gone by."""
+    import time
+    from ddl import executor
+    engine = executor.Engine.__new__(executor.Engine)
+    engine.poll = lambda: False
+    engine.spin, engine.sleep_after, engine.sleep_after_large, engine.nap, engine.nap_max = 0, 0.002, 0.05, 1e-4, 1e-3
+    engine.bell, engine._large, engine._watchdog = None, large, lambda now: None
+    calls = {"yield": 0, "nap": 0}
+    sleep = time.sleep
+    monkeypatch.setattr(executor.os, "sched_yield", lambda: calls.update({"yield": calls["yield"] + 1}))
+    monkeypatch.setattr(executor.time, "sleep", lambda s: (calls.update({"nap": calls["nap"] + 1}), sleep(s)))
+    deadline = time.monotonic() + 0.03
+    engine._drive_loop(lambda: time.monotonic() > deadline, None)
+    assert calls["yield"] > 0
+    assert (calls["nap"] == 0) if large else (calls["nap"] > 0), calls
