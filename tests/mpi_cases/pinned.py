@@ -7,7 +7,7 @@ from mpi4py import MPI
 import ddl
 
 world = MPI.COMM_WORLD
-cpus = sorted(os.sched_getaffinity(0))
+cpus = sorted(set().union(*world.allgather(os.sched_getaffinity(0))))   # the launcher may have pinned already
 os.sched_setaffinity(0, {cpus[world.rank % len(cpus)]} if sys.argv[1] == "own" else {cpus[0]})
 with ddl.Communicator(world) as comm:
     print(f"RESULT rank {world.rank} on {sorted(os.sched_getaffinity(0))}: oversubscribed {comm.oversubscribed}",
