@@ -860,7 +860,9 @@ def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
     """Two racks of two hosts, 200 Mbit/s NICs and 200 Mbit/s rack uplinks, probed against a file that
     says the uplinks carry 400: every pair alone measures as the file says (a pair cannot fill more
     than its NIC), but with all hosts sending at once across the racks each flow gets half its NIC;
-    ``--write`` gives the uplinks what those flows measured."""
+    ``--write`` gives the uplinks what those flows measured. (Tolerance 25%, best of three: four flows
+    at once on two cores that other tests share have measured outside 15% of their rate in a full run
+    of the suite; 0.90-1.02 with a busy loop beside them. Shared, they measure 0.5.)"""
     def racks(name, uplink):
         nodes = [("spine", "switch"), ("rack0", "switch"), ("rack1", "switch")]
         links = [{"a": f"rack{r}", "b": "spine", "bandwidth": uplink} for r in range(2)]
@@ -877,7 +879,7 @@ def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
     try:
         res = subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", str(path), "--no-check", "--",
                               sys.executable, "-m", "ddl", "topo", "probe", str(claimed), "--json",
-                              "--write", str(fixed)],
+                              "--write", str(fixed), "--tolerance", "25%", "--repeats", "3"],
                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=80)
         assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
         doc = json.loads(res.stdout[res.stdout.index("{"):])
