@@ -2,7 +2,7 @@
 
 Why
 ===
-``ddl bench``, ``ddl topo probe`` and the test suite start MPI jobs themselves, on this machine, often
+``ddl bench``, ``ddl topo probe``, the demo and the test suite start MPI jobs themselves, on this machine, often
 with more ranks than it has cores. The launchers disagree on that: MPICH's hydra (and Intel MPI's)
 starts any number of ranks, Open MPI's refuses more ranks than cores unless told ``--map-by
 :OVERSUBSCRIBE``. ddl runs under whichever MPI mpi4py loaded (the ``mpich`` wheel by default, a

@@ -5,10 +5,12 @@ it and compare with the classic algorithms across the zoo; 4. run the planned al
 on this machine and check the result.
 """
 import argparse
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from ddl import Error
+from ddl.launcher import local_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "topologies" / "emulated-2rack-interleaved.yaml"
@@ -33,8 +35,7 @@ def main(argv=None):
          *ddl, "plan", "--compare", "--bytes", "256MiB",
          *(ROOT / "topologies" / f for f in ("dgx1-v100.yaml", "fat-tree-4x4-r4-interleaved.yaml",
                                               "hetero-cluster.yaml", "emulated-2rack-interleaved.yaml")))
-    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-    step("4. run it: 8 MPI ranks on this machine", mpiexec, "-n", "8", sys.executable, "-m", "mpi4py",
+    step("4. run it: 8 MPI ranks on this machine", *local_command(8), sys.executable, "-m", "mpi4py",
          ROOT / "examples" / "allreduce_hello.py", TOPOLOGY)
     print(f"\ndemo done; pictures in {OUT.relative_to(ROOT)}/")
 
@@ -44,5 +45,5 @@ if __name__ == "__main__":
         main()
     except subprocess.CalledProcessError as exc:
         sys.exit(f"demo step failed with exit status {exc.returncode}")
-    except OSError as exc:     # e.g. no mpiexec: the mpich wheel is not installed
+    except (OSError, Error) as exc:     # e.g. no mpiexec: the mpich wheel is not installed
         sys.exit(f"demo step could not start: {exc}")
