@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from mpi_cases._launch import job_env, mpi_command
 
 ROOT = Path(__file__).resolve().parents[1]
