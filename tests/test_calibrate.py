@@ -8,6 +8,8 @@ from ddl import probe
 from ddl.calibrate import calibrated
 from ddl.topology import Topology
 
+from _fabrics import MBIT, two_rack_fabric
+
 ZOO = Path(__file__).resolve().parents[1] / "topologies"
 
 
@@ -30,9 +32,6 @@ def rates(data):
     """{(a, b): bytes/s} of the written links."""
     fixed = Topology.from_dict(data)
     return {(link.a, link.b): link.bandwidth for link in fixed.links}
-
-
-MBIT = 1e6 / 8
 
 
 def test_a_slow_route_scales_the_links_that_bound_it_and_only_those():
@@ -58,23 +57,12 @@ def test_more_pairs_per_class_reach_every_hosts_links():
     assert all(rates(data)[(f"h{h}", f"rack{h // 2}")] == pytest.approx(200 * MBIT, rel=1e-3) for h in range(4))
 
 
-def racks(uplink):
-    """Two racks of two hosts, 200 Mbit/s NICs under uplinks of ``uplink`` Mbit/s."""
-    nodes = [("spine", "switch"), ("rack0", "switch"), ("rack1", "switch")]
-    links = [{"a": f"rack{r}", "b": "spine", "bandwidth": uplink * MBIT} for r in range(2)]
-    for h in range(4):
-        nodes += [(f"h{h}", "host"), (f"h{h}/cpu0", "cpu")]
-        links += [{"a": f"h{h}/cpu0", "b": f"h{h}", "bandwidth": 5e9},
-                  {"a": f"h{h}", "b": f"rack{h // 2}", "bandwidth": 200 * MBIT}]
-    return Topology("racks", nodes, links, [f"h{h}/cpu0" for h in range(4)], {"reduce_bandwidth": "2 GB/s"})
-
-
 def test_flows_at_once_scale_the_links_they_share_when_pairs_hold():
     """A file that says 400 Mbit/s uplinks where they carry 200: pairs alone and the flows to the
     next host hold (a NIC bounds each), the flows across the racks at once run at half. The uplinks
     become what those flows measured; the NICs, as loaded in that pattern but vindicated by the
     others, stay."""
-    topo = racks(400)
+    topo = two_rack_fabric(400 * MBIT, reduce_bandwidth="2 GB/s")
     classes, patterns = probe.pair_classes(topo), probe.host_patterns(topo)
     found = measured(topo, classes, patterns, pattern_scale=[1.0, 0.5])
     near, across = [f for f in found if f.what == "pattern"]
@@ -88,7 +76,7 @@ def test_flows_at_once_scale_the_links_they_share_when_pairs_hold():
 
 
 def test_flows_at_once_wait_while_pairs_differ():
-    topo = racks(400)
+    topo = two_rack_fabric(400 * MBIT, reduce_bandwidth="2 GB/s")
     classes, patterns = probe.pair_classes(topo), probe.host_patterns(topo)
     data, changes, notes = calibrated(topo, measured(topo, classes, patterns, pair_scale=0.5, pattern_scale=0.5))
     assert rates(data)[("rack0", "spine")] == 400 * MBIT                # not from the patterns this pass

@@ -22,7 +22,8 @@ from ddl.emulate.netns import Cluster, plan_network
 from ddl.simulate import link_totals
 from ddl.topology import Topology
 
-MBIT = 1e6 / 8
+from _fabrics import MBIT, two_rack_fabric
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -863,18 +864,10 @@ def test_probe_finds_an_uplink_shared_by_its_hosts(tmp_path):
     ``--write`` gives the uplinks what those flows measured. (Tolerance 25%, best of three: four flows
     at once on two cores that other tests share have measured outside 15% of their rate in a full run
     of the suite; 0.90-1.02 with a busy loop beside them. Shared, they measure 0.5.)"""
-    def racks(name, uplink):
-        nodes = [("spine", "switch"), ("rack0", "switch"), ("rack1", "switch")]
-        links = [{"a": f"rack{r}", "b": "spine", "bandwidth": uplink} for r in range(2)]
-        for h in range(4):
-            nodes += [(f"h{h}", "host"), (f"h{h}/cpu0", "cpu")]
-            links += [{"a": f"h{h}/cpu0", "b": f"h{h}", "bandwidth": 5e9},
-                      {"a": f"h{h}", "b": f"rack{h // 2}", "bandwidth": 200 * MBIT}]
-        return Topology(name, nodes, links, [f"h{h}/cpu0" for h in range(4)])
-    real = racks(f"ddl-test-uplink-{os.getpid()}", 200 * MBIT)
+    real = two_rack_fabric(200 * MBIT, f"ddl-test-uplink-{os.getpid()}")
     path, claimed, fixed = tmp_path / "real.json", tmp_path / "claimed.json", tmp_path / "fixed.json"
     real.dump(path)
-    racks("claimed", 400 * MBIT).dump(claimed)
+    two_rack_fabric(400 * MBIT, "claimed").dump(claimed)
     state = netns.state_dir_for(real.name)
     try:
         res = subprocess.run([sys.executable, "-m", "ddl", "emulate", "run", str(path), "--no-check", "--",
