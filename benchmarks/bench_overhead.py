@@ -7,7 +7,9 @@ Each size runs at least ``--rounds`` rounds (more where a block of ``--block`` c
 fewer only where a size has fewer calls than rounds); a round times a block of back-to-back ddl calls, then a block of
 MPI calls (each block after a barrier; a call's time is the block time over its length, maximum over
 ranks). Alternating matters on a shared or oversubscribed machine: load that comes and goes hits both
-sides alike. The table shows medians over rounds and the ratio ddl / MPI. Targets: 8 B within 3x, 64 MiB within 1.3x. ``--profile`` runs ddl's
+sides alike. The table shows medians over rounds and the ratio ddl / MPI, and the CPU time a call
+costs each rank (``time.process_time``, the mean over ranks): where ranks outnumber cores, a call
+takes about ranks x CPU / cores, whatever waits for what. Targets: 8 B within 3x, 64 MiB within 1.3x. ``--profile`` runs ddl's
 first-size loop under cProfile on rank 0 and prints the top functions.
 """
 import sys
@@ -62,21 +64,26 @@ def main(argv=None):
         block = max(1, min(args.block, n_it // args.rounds))
         rounds = max(1, n_it // block)
         t = np.zeros((2, rounds))
+        cpu = np.zeros((2, rounds))
         for i in range(rounds):
             for j, fn in enumerate((lambda: comm.Allreduce(send, recv_d, op=ddl.SUM),
                                     lambda: world.Allreduce(send, recv_m, op=MPI.SUM))):
                 world.Barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(block):
                     fn()
                 t[j, i] = (time.perf_counter() - t0) / block
+                cpu[j, i] = (time.process_time() - c0) / block
         world.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+        world.Allreduce(MPI.IN_PLACE, cpu, op=MPI.SUM)
+        cpu /= world.size
         n_it = rounds * block
         nbytes = count * dtype.itemsize
         sched = comm.plan(nbytes)
         inline = nbytes <= comm.inline_bytes   # reduced from the shared-memory board, no schedule
         rows.append((nbytes, n_it, np.median(t[0]), np.median(t[1]), np.percentile(t[0], 90),
-                     np.percentile(t[1], 90), "inline" if inline else sched.algorithm, "-" if inline else sched.nchunks))
+                     np.percentile(t[1], 90), "inline" if inline else sched.algorithm, "-" if inline else sched.nchunks,
+                     np.median(cpu[0]), np.median(cpu[1])))
     if args.profile:
         import cProfile
         import pstats
@@ -97,10 +104,10 @@ def main(argv=None):
               f"{world.size} ranks, {os.cpu_count()} cores, load {load:.1f}; dtype {dtype}; check={args.check} "
               f"(agreement: {comm.agreement}); topology {comm.topology.name if comm.topology is not None else '-'}")
         print(f"{'size':>9} {'iters':>5} {'algorithm':>17} {'chunks':>6} {'ddl median':>11} {'MPI median':>11} "
-              f"{'ddl p90':>10} {'MPI p90':>10} {'ddl/MPI':>8}")
-        for nbytes, n_it, td, tm, td9, tm9, alg, k in rows:
+              f"{'ddl p90':>10} {'MPI p90':>10} {'ddl/MPI':>8} {'ddl CPU':>10} {'MPI CPU':>10}")
+        for nbytes, n_it, td, tm, td9, tm9, alg, k, cd, cm in rows:
             print(f"{format_size(nbytes):>9} {n_it:>5} {alg:>17} {k:>6} {_fmt(td):>11} {_fmt(tm):>11} "
-                  f"{_fmt(td9):>10} {_fmt(tm9):>10} {td / tm:>8.2f}")
+                  f"{_fmt(td9):>10} {_fmt(tm9):>10} {td / tm:>8.2f} {_fmt(cd):>10} {_fmt(cm):>10}")
     comm.Free()
 
 

@@ -130,7 +130,9 @@ def test_mpi_benchmarks_print_their_tables():
     assert rc == 0, out
     lines = out.strip().splitlines()
     assert lines[-3].split()[:4] == ["size", "iters", "algorithm", "chunks"] and "ddl/MPI" in lines[-3], out
-    assert lines[-2].split()[:4] == ["8", "B", "6", "inline"], out
+    assert lines[-3].split()[-4:] == ["ddl", "CPU", "MPI", "CPU"], out
+    row = lines[-2].split()
+    assert row[:4] == ["8", "B", "6", "inline"] and row[-1] == "us" and float(row[-2]) > 0, out
     rc, out, _ = run_mpi(2, "benchmarks/bench_small.py", "--iters", "4", "--rounds", "2", timeout=180,
                          mpi4py_main=False)
     assert rc == 0 and "2 ranks, 8 B per rank (inline" in out, out
