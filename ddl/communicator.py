@@ -53,6 +53,7 @@ import functools
 import math
 import operator
 import os
+import weakref
 
 import numpy as np
 
@@ -579,12 +580,12 @@ class Communicator:
     @_announced("allreduce")
     def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False):
         # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
-        # The arrays must still be where they were and as large (ndarray.resize moves them), and recvbuf
-        # writable: otherwise the parsed views in the entry point at memory that is not theirs.
+        # Their memory cannot have moved: the entry holds weak references to them, and numpy refuses
+        # to resize an array that has one, even with refcheck=False. Their dtypes and recvbuf's
+        # writability can change, and are checked again.
         hit = self._args.get((id(sendbuf), id(recvbuf), id(op)))
         if hit is not None and hit[0] is sendbuf and hit[1] is recvbuf and hit[2] is op and \
                 recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]) and \
-                hit[6] == _where(recvbuf) and (hit[4] is None or hit[7] == _where(sendbuf)) and \
                 recvbuf.flags.writeable:
             return self._start(*hit[5], blocking)
         send, recv, op_ = self._reduction_args(sendbuf, recvbuf, op)
@@ -597,12 +598,13 @@ class Communicator:
         ex = self._start(*args, blocking)
         if type(recvbuf) is np.ndarray and recv.nbytes <= _ARG_CACHE_BYTES and (
                 type(sendbuf) is np.ndarray or is_in_place(sendbuf)):
-            # holds references to both arrays, so their ids cannot be reused while cached
+            # holds references to both arrays, so their ids cannot be reused while cached, and weak
+            # ones, so that they cannot be resized (see above)
             if len(self._args) >= 16:
                 del self._args[next(iter(self._args))]
             self._args[(id(sendbuf), id(recvbuf), id(op))] = (
                 sendbuf, recvbuf, op, recvbuf.dtype, None if send is None else sendbuf.dtype, args,
-                _where(recvbuf), None if send is None else _where(sendbuf))
+                weakref.ref(recvbuf), None if send is None else weakref.ref(sendbuf))
         return ex
 
     @_announced("reduce_scatter")
@@ -952,11 +954,6 @@ def _root(root, size):
     if not 0 <= rank < size:
         raise Error(f"Bcast: root {rank} is not a rank of this communicator (size {size})")
     return rank
-
-
-def _where(array):
-    """``(data address, element count)`` of an ndarray: what the argument cache must find unchanged."""
-    return array.__array_interface__["data"][0], array.size
 
 
 def _affinity():

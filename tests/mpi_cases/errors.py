@@ -168,11 +168,15 @@ comm.Allreduce(a, o)
 o.flags.writeable = False
 expect(ddl.Error, lambda: comm.Allreduce(a, o), "read-only", label="recvbuf made read-only between calls")
 o.flags.writeable = True
-a.resize(1000, refcheck=False)       # both move to new memory: the first call's views would be stale
-o.resize(1000, refcheck=False)
+for arr in (a, o):                   # moving them would leave the first call's views stale: refused
+    expect(ValueError, lambda: arr.resize(1000, refcheck=False), "cannot resize",
+           label="resizing an array a call has cached")
 a[:] = r + 1
 comm.Allreduce(a, o)
-chk.ok(np.all(o == p * (p + 1) / 2), f"Allreduce after its arrays were resized in place: {o[:3]}")
+chk.ok(np.all(o == p * (p + 1) / 2), f"Allreduce after its arrays were refused a resize: {o[:3]}")
+a2, o2 = np.resize(a, 1000), np.resize(o, 1000)   # np.resize: new arrays, new memory
+comm.Allreduce(a2, o2)
+chk.ok(np.all(o2 == p * (p + 1) / 2) and o2.size == 1000, f"Allreduce of np.resize's copies: {o2[:3]}")
 expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), np.empty(5)), "4 elements", "5", label="size mismatch")
 expect(ddl.Error, lambda: comm.Allreduce(np.ones(4), np.empty(4, np.float32)), "float64", "float32",
        label="dtype differs")
