@@ -2,8 +2,9 @@
 
     mpiexec -n 8 python -m mpi4py examples/allreduce_hello.py [topology.yaml] [--size 4MiB] [--trace t.json]
 
-Topology: the file given, else topologies/emulated-2rack.yaml when its rank count matches the number
-of processes, else a flat topology (every rank on one switch).
+Topology: the file given, else the one $DDL_TOPOLOGY names (``ddl emulate run`` sets it), else
+topologies/emulated-2rack.yaml when its rank count matches the number of processes, else a flat
+topology (every rank on one switch).
 """
 import argparse
 import contextlib
@@ -24,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def pick_topology(path, size):
+    path = path or os.environ.get("DDL_TOPOLOGY")
     if path:
         return path
     zoo = os.path.join(HERE, "..", "topologies", "emulated-2rack.yaml")

@@ -26,7 +26,7 @@ def main():
     ap.add_argument("--rounds", type=at_least(1), default=20, help="averaging rounds (default 20)")
     ap.add_argument("--tau", type=at_least(1), default=5, help="local steps between averaging (default 5)")
     ap.add_argument("--lr", type=positive_float, default=0.1, help="learning rate (default 0.1)")
-    ap.add_argument("--topology", default=None, help="topology file (default: one flat switch)")
+    ap.add_argument("--topology", default=None, help="topology file (default: $DDL_TOPOLOGY, else one flat switch)")
     args = ap.parse_args()
 
     world = MPI.COMM_WORLD

@@ -52,9 +52,14 @@ def loss_and_grads(params, x, y):
 
 
 def communicator(topology):
-    """``ddl.Communicator`` on COMM_WORLD; a bad topology (no such file, wrong rank count) is one line."""
+    """``ddl.Communicator`` on COMM_WORLD; a bad topology (no such file, wrong rank count) is one line.
+
+    Without ``--topology`` the argument is left out, so that ``$DDL_TOPOLOGY`` (which ``ddl emulate
+    run`` sets) names the file; an explicit ``topology=None`` would mean one flat switch.
+    """
+    given = {"topology": topology} if topology else {}
     try:
-        return ddl.Communicator(MPI.COMM_WORLD, topology=topology)
+        return ddl.Communicator(MPI.COMM_WORLD, **given)
     except ddl.Error as exc:
         fail(exc)
 
@@ -64,7 +69,7 @@ def main():
     ap.add_argument("--steps", type=at_least(2), default=50,
                     help="training steps, at least 2: the check compares the first and last loss (default 50)")
     ap.add_argument("--lr", type=positive_float, default=0.1, help="learning rate (default 0.1)")
-    ap.add_argument("--topology", default=None, help="topology file (default: one flat switch)")
+    ap.add_argument("--topology", default=None, help="topology file (default: $DDL_TOPOLOGY, else one flat switch)")
     args = ap.parse_args()
 
     comm = communicator(args.topology)

@@ -46,6 +46,16 @@ def test_allreduce_hello_on_a_zoo_topology():
     assert "topology emulated-2rack" in out and "result check: OK" in out
 
 
+@pytest.mark.parametrize("script", ["examples/allreduce_hello.py", "examples/train_mlp.py",
+                                    "examples/local_sgd.py"])
+def test_examples_take_the_file_ddl_emulate_run_names(script):
+    """``ddl emulate run`` names the cluster's file in DDL_TOPOLOGY; an example given no file must plan
+    for that one, not for a flat switch: an 8-rank file under 2 ranks is read and refused."""
+    rc, out, _ = run_mpi(2, script, env={"DDL_TOPOLOGY": "topologies/emulated-flat.yaml"}, timeout=60)
+    assert rc != 0 and "Traceback" not in out
+    assert "'emulated-flat'" in out and "has 8 ranks but the communicator has 2" in out, out
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_train_mlp_matches_single_process(n):
     out = run_ok(n, "examples/train_mlp.py", "--steps", "30")

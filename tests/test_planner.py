@@ -245,7 +245,8 @@ def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
     (["--bytes", "1e400"], "beyond 1 EiB"),
     (["--save", "plans" + os.sep], "is a folder"),
     (["--save", str(ZOO / "emulated-2rack.yaml" / "x.json")], "is not a folder"),
-    (["--compare", "--algorithm", "ring"], "drop --algorithm ring")])
+    (["--compare", "--algorithm", "ring"], "drop --algorithm ring"),
+    (["--compare", "--timeline"], "--timeline goes with one plan's report")])
 def test_plan_user_errors_are_one_line(capsys, tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--workers", "1", *args]) == 2
@@ -258,6 +259,9 @@ def test_save_takes_one_file_and_an_empty_message_has_no_cache_line(capsys, tmp_
     flat = str(ZOO / "emulated-flat.yaml")
     assert main(["plan", flat, flat, "--compare", "--save", str(tmp_path / "s.json"), "--workers", "1"]) == 2
     assert "--save writes one schedule" in capsys.readouterr().err
+    assert main(["plan", flat, "--compare", "--save", str(tmp_path / "s.json"), "--workers", "1"]) == 0
+    assert f"schedule written to {tmp_path / 's.json'}" in capsys.readouterr().out      # (it said nothing)
+    assert Schedule.load(str(tmp_path / "s.json")).nranks == 8
     # 0 bytes shares the 1-byte class, whose plan is stored; a 0-byte plan never is (it crashed here)
     assert main(["plan", flat, "--bytes", "1", "--workers", "1"]) == 0
     capsys.readouterr()

@@ -78,6 +78,8 @@ def run(args):
         raise PlanError(f"--compare shows auto's choice against the baselines; drop --algorithm {args.algorithm} "
                         f"(its time is in the table when it is a baseline, and `ddl plan FILE --algorithm "
                         f"{args.algorithm}` plans it alone)")
+    if args.compare and args.timeline:
+        raise PlanError("--timeline goes with one plan's report, not --compare's table: drop one of them")
     if args.save is not None and len(args.files) > 1:
         raise PlanError("--save writes one schedule: plan one FILE with it")
     if args.root and args.collective != "broadcast":
@@ -110,10 +112,9 @@ def run(args):
                for topo, plan, cached in plans]
     if args.json:
         print(json.dumps(records if args.compare or len(records) > 1 else records[0], indent=2))
-    elif args.compare:
-        print(_compare_table(records))
     else:
-        print("\n\n".join(_explain(topo, plan, r) for (topo, plan, _), r in zip(plans, records)))
+        print(_compare_table(records) if args.compare else
+              "\n\n".join(_explain(topo, plan, r) for (topo, plan, _), r in zip(plans, records)))
         if args.save:
             print(f"schedule written to {args.save}")
     return 0
