@@ -435,18 +435,15 @@ class Communicator:
         result from all of them, reducing in rank order. ``inline_bytes`` is ``min(1 MiB, 2 MiB /
         ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it off) with ``algorithm="auto"`` and ddl's planner
         when all ranks share a node and the check is ``"always"``, else 0.)"""
-        if isinstance(nbytes_or_buffer, (int, np.integer, str)) and not isinstance(nbytes_or_buffer, bool):
-            nbytes = _nbytes(nbytes_or_buffer)
-        else:
-            nbytes = parse_buffer(nbytes_or_buffer, "buffer", bytes_only=True).nbytes
-        return self._schedule(collective, nbytes, root)
+        return self._schedule(collective, _size_of(nbytes_or_buffer), root)
 
-    def explain(self, nbytes, collective="allreduce", root=0):
-        """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives) of what runs
-        for this size: a pinned schedule, or the plan held for its size class, is evaluated as it is."""
+    def explain(self, nbytes_or_buffer, collective="allreduce", root=0):
+        """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives; printed, a
+        report) of what runs for this size (bytes) or buffer: a pinned schedule, or the plan held for
+        its size class, is evaluated as it is."""
         planner = self.planner
         explain = getattr(planner, "explain", planner.plan)      # (a foreign planner may have plan() only)
-        return explain(collective, _nbytes(nbytes), self._algorithm_of(collective), root)
+        return explain(collective, _size_of(nbytes_or_buffer), self._algorithm_of(collective), root)
 
     def _pinned(self, collective, root):
         """The schedule pinned on the planner for this call, or None (a foreign planner may not pin)."""
@@ -922,11 +919,14 @@ def _check_not_in_flight(send, recv, inflight, engine=None):
                             f"gives garbage; MPI forbids it too)")
 
 
-def _nbytes(value):
-    """A message size for :meth:`Communicator.plan` / :meth:`~Communicator.explain` (see
-    :func:`ddl.units.message_size`), else a :class:`ddl.Error` saying why."""
+def _size_of(nbytes_or_buffer):
+    """The message size :meth:`Communicator.plan` / :meth:`~Communicator.explain` are asked about: a
+    byte count or size text (see :func:`ddl.units.message_size`), or a buffer's bytes; else a
+    :class:`ddl.Error` saying why."""
+    if not isinstance(nbytes_or_buffer, (int, np.integer, str)) or isinstance(nbytes_or_buffer, bool):
+        return parse_buffer(nbytes_or_buffer, "buffer", bytes_only=True).nbytes
     try:
-        return message_size(value)
+        return message_size(nbytes_or_buffer)
     except (TypeError, ValueError) as exc:
         raise Error(str(exc)) from None
 

@@ -74,6 +74,23 @@ class Plan:
         """Predicted time over the lower bound (1.0 = optimal)."""
         return self.predicted_seconds / self.bound_seconds if self.bound_seconds > 0 else 1.0
 
+    def __str__(self):
+        """What ``print(comm.explain(n))`` shows: the choice, why, its prediction against the bound
+        and the alternatives it beat (``ddl plan`` prints the same with the topology's details)."""
+        from .units import format_seconds, format_size
+
+        sched = self.schedule
+        lines = [f"{self.collective} of {format_size(self.nbytes)}: {self.algorithm} "
+                 f"({'verified' if self.verified else 'NOT verified'}: {sched.nchunks} chunks, {sched.nops} operations)",
+                 f"why        {self.reason}" if self.reason else None,
+                 f"predicted  {format_seconds(self.predicted_seconds)}   bound {format_seconds(self.bound_seconds)}"
+                 f"   gap {self.gap:.3f}x"]
+        for name, secs in sorted(self.baselines.items(), key=lambda kv: kv[1]):
+            lines.append(f"  vs {name:<22} {format_seconds(secs):>10}")
+        for name, secs in sorted(self.outpaced.items(), key=lambda kv: kv[1]):
+            lines.append(f"  vs {name:<22} >{format_seconds(secs):>9}   (stopped once it could not win)")
+        return "\n".join(line for line in lines if line is not None)
+
 
 FLAT_BANDWIDTH = "10 GB/s"
 # The source of that assumed network (see flat_topology).

@@ -46,6 +46,18 @@ def test_allreduce_hello_on_a_zoo_topology():
     assert "topology emulated-2rack" in out and "result check: OK" in out
 
 
+def test_the_readme_training_script_block_runs_as_written(tmp_path):
+    """The API block under "Using it from a training script" is a script: it runs on the 8 ranks of its
+    file and prints the plan and why it was chosen (it once used names it never defined)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Using it from a training script"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "train.py").write_text(block)
+    out = run_ok(8, str(tmp_path / "train.py"), timeout=240)
+    assert out.count("Schedule(") == 1 and re.search(r"^Schedule\([\w-]+ allreduce, 8 ranks, ", out, re.M), out
+    assert re.search(r"^allreduce of 4 MiB: [\w-]+ \(verified: ", out, re.M) and "\nwhy        " in out, out
+
+
 @pytest.mark.parametrize("script", ["examples/allreduce_hello.py", "examples/train_mlp.py",
                                     "examples/local_sgd.py"])
 def test_examples_take_the_file_ddl_emulate_run_names(script):

@@ -304,6 +304,11 @@ chk.ok(repr(comm.grouped_iallreduce([])).startswith("<ddl.Request grouped_allred
 chk.ok(comm.plan("64KiB").nranks == p and comm.explain("64KiB").nbytes == 65536, "plan / explain of a size string")
 expect(ddl.Error, lambda: comm.plan(-5), "non-negative", label="plan of a negative size")
 expect(ddl.Error, lambda: comm.explain("a lot"), "cannot parse size", label="explain of an unreadable size")
+report = comm.explain(np.ones(1 << 14, np.float32))          # a buffer, as comm.plan takes one
+chk.ok(report.nbytes == 65536 and report.schedule == comm.plan("64KiB"), "explain of a buffer")
+text = str(report)
+chk.ok(text.startswith(f"allreduce of 64 KiB: {report.algorithm} (verified: ") and "\nwhy        " in text
+       and f"gap {report.gap:.3f}x" in text and "Plan(" not in text, f"explain prints a report: {text!r}")
 
 # one rank reduces nothing, yet a logical op still gives 1 or 0, on the host and the device path
 from ddl.gpu.executor import HostRuntime, NcclExecutor  # noqa: E402
