@@ -28,7 +28,7 @@ from collections import namedtuple
 import yaml
 
 from .errors import TopologyError
-from .units import BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency, whole_number
+from .units import BANDWIDTH_PS, BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency, whole_number
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
@@ -700,7 +700,7 @@ def _bandwidth(value, where, label, key):
         result = _signed(parse_bandwidth, value)
     except (ValueError, OverflowError):
         _fail(where, label, f"cannot read {key} {value!r}: write a number and a unit, one of "
-                            f"{BANDWIDTH_UNITS}, e.g. '25 GB/s' or '100 Gbit/s'"
+                            f"{BANDWIDTH_UNITS} {BANDWIDTH_PS}, e.g. '25 GB/s' or '100 Gbit/s'"
                             f"{missing_unit_hint(value, f'{value} B/s')}")
     what = ("the rate at which the node adds up data, e.g. '200 GB/s'" if key == "reduce_bandwidth" else
             "the rate of one link in one direction, e.g. '25 GB/s'")

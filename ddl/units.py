@@ -19,6 +19,8 @@ _SIZE_PREFIX = {**_PREFIX, "P": 10**15, "E": 10**18, "Pi": 2**50, "Ei": 2**60}
 _SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(Ki|Mi|Gi|Ti|Pi|Ei|k|K|M|G|T|P|E|)(B?)\s*$")
 
 BANDWIDTH_UNITS = "B/s kB/s MB/s GB/s TB/s KiB/s MiB/s GiB/s bit/s kbit/s Mbit/s Gbit/s Tbit/s Gb/s Mb/s"
+# Each may end in "ps" instead of "/s" (GBps, Gbps, Mbps), as datasheets write them.
+BANDWIDTH_PS = "('/s' may be written 'ps': GBps, Gbps)"
 LATENCY_UNITS = "ns us µs ms s"
 
 
@@ -42,7 +44,8 @@ def parse_bandwidth(text):
         return float(text)
     m = _BANDWIDTH_RE.match(str(text))
     if not m:
-        raise ValueError(f"cannot parse bandwidth {text!r}: write a number and one of {BANDWIDTH_UNITS}, e.g. "
+        raise ValueError(f"cannot parse bandwidth {text!r}: write a number and one of {BANDWIDTH_UNITS} "
+                         f"{BANDWIDTH_PS}, e.g. "
                          f"'25 GB/s'{missing_unit_hint(text, f'{text} B/s')}")
     value, prefix, unit = m.groups()
     scale = _PREFIX[prefix] * (1.0 if unit == "B" else 0.125)
@@ -121,7 +124,8 @@ def format_bandwidth(bytes_per_second):
 
 def format_size(nbytes):
     """Binary units for sizes: 268435456 -> '256 MiB'."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20),
+                        ("KiB", 2**10)):
         if _shows_one_or_more(nbytes / scale):
             return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes} B"

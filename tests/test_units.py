@@ -26,6 +26,9 @@ def test_bits_and_bytes_differ_by_eight():
     assert parse_bandwidth("100 Gbit/s") == parse_bandwidth("100 Gb/s") == pytest.approx(12.5e9)
     assert parse_bandwidth("100 GB/s") == pytest.approx(100e9)
     assert parse_bandwidth("100 Gbps") == pytest.approx(12.5e9)
+    assert parse_bandwidth("25 GBps") == pytest.approx(25e9) and parse_bandwidth("10 MiBps") == 10 * 2**20
+    with pytest.raises(ValueError, match="may be written 'ps': GBps, Gbps"):      # the error says so too
+        parse_bandwidth("25 GBs")
 
 
 def test_plain_numbers_are_bytes_per_second():
@@ -84,5 +87,8 @@ def test_formatting():
     assert format_seconds(0.99999999) == "1 s" and format_size(2**20 - 1) == "1 MiB" and format_size(1000) == "1000 B"
     assert format_size(2**28) == "256 MiB"
     assert format_size(100) == "100 B"
+    # sizes go up to 1 EiB, and read so (they printed as '1.074e+09 GiB')
+    assert [format_size(2**e) for e in (40, 50, 60)] == ["1 TiB", "1 PiB", "1 EiB"]
+    assert format_size(10**15) == "909.5 TiB"
     assert format_seconds(1.5e-5) == "15 us"
     assert format_seconds(2e-9) == "2 ns"
