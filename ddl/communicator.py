@@ -47,12 +47,14 @@ and the own block directly into ``recvbuf`` -- no copy of ``sendbuf`` is made. W
 ``recvbuf`` holds ``size*n`` inputs, is used as the workspace (it is overwritten) and the result ends
 in its first ``n`` elements, as in MPI.
 
-Not thread safe: call a Communicator from one thread.
+Not thread safe: one thread at a time may be inside ddl (any of its communicators, see
+:func:`_one_thread`); another that calls in meanwhile gets a :class:`ddl.Error` at once.
 """
 import functools
 import math
 import operator
 import os
+import threading
 import weakref
 
 import numpy as np
@@ -76,6 +78,31 @@ _ARG_CACHE_BYTES = 1 << 20  # Allreduce argument cache: arrays up to this size
 _MAX_PLANS = 256
 
 
+_INSIDE = threading.RLock()     # held by the thread that is inside ddl's API (see _one_thread)
+
+
+def _one_thread(entry):
+    """Decorator of the API's entry points: a thread that calls into ddl while another one is inside it
+    (a blocking collective, a Wait, a Test) gets a :class:`ddl.Error` at once, before anything is
+    posted. The engines of one process drive each other's messages (:meth:`Engine.poll`), so two
+    threads inside at once, on one communicator or on two, would corrupt their books: wrong results,
+    different on every rank, or MPI errors. Calls from different threads one after the other are
+    fine, and the thread inside may enter again (the entry points call each other)."""
+    name = entry.__name__
+
+    @functools.wraps(entry)
+    def guarded(self, *args, **kwargs):
+        if not _INSIDE.acquire(False):
+            raise Error(f"{name} called from thread {threading.current_thread().name!r} while another thread "
+                        f"is inside ddl: ddl is not thread safe (the communicators of a process drive each "
+                        f"other's messages); call it from one thread at a time")
+        try:
+            return entry(self, *args, **kwargs)
+        finally:
+            _INSIDE.release()
+    return guarded
+
+
 class Request:
     """Handle of a nonblocking ddl collective (``Wait``, ``Test``; ``wait``/``test`` aliases).
 
@@ -87,20 +114,24 @@ class Request:
     def __init__(self, ex, engine, result=None):
         self._ex, self._engine, self._result = ex, engine, result
 
+    @_one_thread
     def Wait(self):
         """Block until the collective completed (raising its error, if it failed); returns True."""
         self._engine.wait(self._ex)
         return True
 
+    @_one_thread
     def Test(self):
         """Drive progress once; True when the collective completed."""
         return self._engine.test(self._ex)
 
+    @_one_thread
     def wait(self):
         """Block until completion; returns the result array for functional calls (else True)."""
         self._engine.wait(self._ex)
         return True if self._result is None else self._result()
 
+    @_one_thread
     def test(self):
         return self._engine.test(self._ex)
 
@@ -669,6 +700,7 @@ class Communicator:
     # ---- mpi4py-style API --------------------------------------------------------------------------
     # Device buffers go to the device executor (NCCL, CUDA-aware MPI or host staging: ``last_path``),
     # on ``stream`` when given, else on CuPy's current stream; host buffers ignore ``stream``.
+    @_one_thread
     def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         """``recvbuf = op(sendbuf of every rank)``; ``sendbuf`` may be ``ddl.IN_PLACE``."""
         dev = self._device_for("allreduce", sendbuf, recvbuf)
@@ -676,12 +708,14 @@ class Communicator:
             return dev.Allreduce(sendbuf, recvbuf, op=op, stream=stream)
         self._engine.wait(self._allreduce_start(sendbuf, recvbuf, op, blocking=True))
 
+    @_one_thread
     def Iallreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         dev = self._device_for("allreduce", sendbuf, recvbuf)
         if dev is not None:
             return dev.Iallreduce(sendbuf, recvbuf, op=op, stream=stream)
         return Request(self._allreduce_start(sendbuf, recvbuf, op), self._engine)
 
+    @_one_thread
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Rank r gets block r (``n`` elements) of ``op`` over every rank's ``sendbuf`` (``size*n``)."""
         dev = self._device_for("reduce_scatter", sendbuf, recvbuf)
@@ -689,12 +723,14 @@ class Communicator:
             return dev.Reduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
         self._engine.wait(self._reduce_scatter_start(sendbuf, recvbuf, op, blocking=True))
 
+    @_one_thread
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         dev = self._device_for("reduce_scatter", sendbuf, recvbuf)
         if dev is not None:
             return dev.Ireduce_scatter_block(sendbuf, recvbuf, op=op, stream=stream)
         return Request(self._reduce_scatter_start(sendbuf, recvbuf, op), self._engine)
 
+    @_one_thread
     def Allgather(self, sendbuf, recvbuf, stream=None):
         """Block r of ``recvbuf`` (``size*n`` elements) gets rank r's ``sendbuf`` (``n``)."""
         dev = self._device_for("allgather", sendbuf, recvbuf)
@@ -702,12 +738,14 @@ class Communicator:
             return dev.Allgather(sendbuf, recvbuf, stream=stream)
         self._engine.wait(self._allgather_start(sendbuf, recvbuf, blocking=True))
 
+    @_one_thread
     def Iallgather(self, sendbuf, recvbuf, stream=None):
         dev = self._device_for("allgather", sendbuf, recvbuf)
         if dev is not None:
             return dev.Iallgather(sendbuf, recvbuf, stream=stream)
         return Request(self._allgather_start(sendbuf, recvbuf), self._engine)
 
+    @_one_thread
     def Bcast(self, buf, root=0, stream=None):
         """Every rank's ``buf`` gets ``root``'s."""
         dev = self._device_for("broadcast", buf)
@@ -715,16 +753,19 @@ class Communicator:
             return dev.Bcast(buf, root=root, stream=stream)
         self._engine.wait(self._bcast_start(buf, root, blocking=True))
 
+    @_one_thread
     def Ibcast(self, buf, root=0, stream=None):
         dev = self._device_for("broadcast", buf)
         if dev is not None:
             return dev.Ibcast(buf, root=root, stream=stream)
         return Request(self._bcast_start(buf, root), self._engine)
 
+    @_one_thread
     def Barrier(self):
         """Returns when every rank has called it (drives in-flight collectives meanwhile)."""
         self._engine.wait(self._barrier_start())
 
+    @_one_thread
     def Ibarrier(self):
         return Request(self._barrier_start(), self._engine)
 
@@ -749,6 +790,7 @@ class Communicator:
         return ex
 
     # ---- Horovod-style functional API ---------------------------------------------------------------
+    @_one_thread
     def allreduce(self, array, op=SUM):
         """A new array: ``op`` over every rank's ``array`` (any array-like; scalars give scalars). A CuPy
         array or torch CUDA tensor gives a new one of its kind, made on the device."""
@@ -757,6 +799,7 @@ class Communicator:
             return dev.allreduce(array, op)
         return self._host_allreduce(array, op)
 
+    @_one_thread
     def iallreduce(self, array, op=SUM):
         """Nonblocking :meth:`allreduce`: ``req.wait()`` returns the new array."""
         dev = self._device_for("allreduce", array)
@@ -775,10 +818,12 @@ class Communicator:
         arr, out, result = _functional(array)
         return Request(self._allreduce_start(arr, out, op), self._engine, result)
 
+    @_one_thread
     def grouped_allreduce(self, arrays, op=SUM):
         """``[allreduce(a) for a in arrays]`` with one collective per dtype over a packed buffer."""
         return self.grouped_iallreduce(arrays, op).wait()
 
+    @_one_thread
     @_announced("allreduce")
     def grouped_iallreduce(self, arrays, op=SUM):
         """Nonblocking :meth:`grouped_allreduce`. With ``check="always"`` it first waits until every
@@ -808,6 +853,7 @@ class Communicator:
         return _GroupRequest(reqs, self._engine, results)
 
     # ---- lifetime ------------------------------------------------------------------------------
+    @_one_thread
     def Free(self):
         """Complete in-flight collectives and free the private communicators (collective)."""
         if self._freed:
@@ -850,6 +896,7 @@ class _GroupRequest(Request):
         self._reqs = exs
         self._result = results
 
+    @_one_thread
     def Wait(self):
         for ex in self._reqs:
             self._engine.wait(ex)
@@ -858,6 +905,7 @@ class _GroupRequest(Request):
     def __repr__(self):
         return f"<ddl.Request grouped_allreduce of {len(self._reqs)} collectives, {'done' if self.done else 'in flight'}>"
 
+    @_one_thread
     def Test(self):
         return all([self._engine.test(ex) for ex in self._reqs])
 

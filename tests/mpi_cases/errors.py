@@ -505,6 +505,42 @@ for mode in ("new", "off"):
     c3.Free()
 expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check must be one of", label="bad check")
 
+# ---- threads ----------------------------------------------------------------------------------------------
+# One thread at a time inside ddl: a second that calls in meanwhile is refused at once (two inside together
+# returned wrong sums, different on each rank). Here a helper thread of every rank but the last sits in a
+# Barrier that the last rank joins only after the others' main threads have tried to call in.
+import threading  # noqa: E402
+import time  # noqa: E402
+
+chk.ok(MPI.Query_thread() == MPI.THREAD_MULTIPLE, "mpi4py initialised MPI with THREAD_MULTIPLE")
+other = ddl.Communicator(WORLD)
+pending = other.Iallreduce(np.ones(2), np.empty(2))
+if r != last:
+    inside = threading.Thread(target=comm.Barrier, name="helper")
+    inside.start()
+    time.sleep(0.3)
+    for label, call in (("Allreduce on the same communicator", lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(2))),
+                        ("Bcast on another communicator", lambda: other.Bcast(np.ones(2))),
+                        ("Test of a request of another communicator", pending.Test),
+                        ("allreduce", lambda: comm.allreduce(np.ones(2)))):
+        expect(ddl.Error, call, "from thread 'MainThread' while another thread is inside ddl",
+               "not thread safe", label=f"{label} while a thread is inside ddl")
+    chk.ok(inside.is_alive(), "the helper thread was inside ddl all along (its Barrier waits for the last rank)")
+    WORLD.Barrier()
+    inside.join()
+else:
+    WORLD.Barrier()
+    comm.Barrier()
+pending.Wait()
+# one after the other, calls from different threads are fine
+got = {}
+worker = threading.Thread(target=lambda: got.setdefault("sum", comm.allreduce(np.full(3, r + 1.0))))
+worker.start()
+worker.join()
+chk.ok(np.array_equal(got.get("sum"), np.full(3, p * (p + 1) / 2)), f"a call from another thread, alone: {got}")
+still_works("refused calls from a second thread")
+other.Free()
+
 # ---- lifetime -------------------------------------------------------------------------------------------
 with ddl.Communicator(WORLD) as c2:
     z = np.ones(2)
