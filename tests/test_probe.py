@@ -2,6 +2,7 @@
 under mpiexec on this machine. The run on an emulated cluster slower than its file is in test_emulate.py."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -187,11 +188,18 @@ def test_write_leaves_nothing_where_the_placement_differs(tmp_path, env):
 def test_write_refuses_a_folder_it_cannot_write_and_the_file_itself(tmp_path, env):
     """Checked before anything is measured: one clean error, exit 2, on every rank."""
     file = one_host(tmp_path, "5 GB/s")
-    for out, says in ((tmp_path / "no-such-folder" / "x.yaml", "cannot write into"),
-                      (file, "is the file being probed")):
-        res = ddl_probe([file, "--write", str(out)], env)
-        assert res.returncode == 2 and says in res.stderr, res.stdout + res.stderr
-        assert "Traceback" not in res.stderr and "same host" not in res.stdout
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)                       # (it once measured, then hung opening it)
+    for out, says in ((tmp_path / "no-such-folder" / "x.yaml", "does not exist"),
+                      (file, "is the file being probed"),
+                      (tmp_path, "is a folder: name the file, e.g."),
+                      (fifo, "is a FIFO"),
+                      ("/dev/null", "not a regular file")):
+        for mpi in (2, 0):                # under mpiexec, and before it launches the ranks itself
+            res = ddl_probe([file, "--write", str(out)], env, mpi=mpi)
+            assert res.returncode == 2 and says in res.stderr, res.stdout + res.stderr
+            assert "Traceback" not in res.stderr and "same host" not in res.stdout
+            assert "launching" not in res.stderr
 
 
 @needs_mpi
@@ -218,3 +226,6 @@ def test_usage_errors_exit_2_without_a_traceback(tmp_path, env):
     bad = subprocess.run([sys.executable, "-m", "ddl", "topo", "probe", one_host(tmp_path, "5 GB/s"),
                           "--tolerance", "-3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--tolerance" in bad.stderr and "Traceback" not in bad.stderr
+    word = subprocess.run([sys.executable, "-m", "ddl", "topo", "probe", one_host(tmp_path, "5 GB/s"),
+                           "--tolerance", "abc"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert word.returncode == 2 and "a fraction above 0 such as 0.15 or 15%, got 'abc'" in word.stderr, word.stderr

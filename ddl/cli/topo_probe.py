@@ -8,10 +8,12 @@
 Exit status 0 when the fabric is as the file says, 1 when a measurement or the placement differs from
 it, 2 on a usage error (a missing file, a job of the wrong size).
 """
+import math
 import os
 import sys
 
 from ..errors import Error
+from . import check_output_file
 from .argtypes import at_least, reported
 from .bench import _child, as_rank, under_mpi
 
@@ -44,7 +46,10 @@ def add_parser(sub):
 
 
 def _tolerance(text):
-    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        value = math.nan
     if not 0 < value < 10:
         raise ValueError(f"a fraction above 0 such as 0.15 or 15%, got {text!r}")
     return value
@@ -61,7 +66,7 @@ def _topology(args):
 def cmd_probe(args):
     if under_mpi():
         return _in_job(args)
-    topo = _topology(args)
+    topo = _checked(_topology(args), None, args.write)   # before the ranks are launched
     from ..launcher import local_command
     n = topo.nranks
     argv = [topo.source, "--per-class", str(args.per_class), "--repeats", str(args.repeats),
@@ -99,17 +104,16 @@ def _in_job(args):
 
 
 def _checked(topo, size, out=None):
-    if topo.nranks != size:
+    """``topo``, once the job's ``size`` (None: not launched yet) fits it and ``out`` (``--write``) can
+    be written: refused before anything is measured, not after."""
+    if size is not None and topo.nranks != size:
         raise Error(f"{topo.source} has {topo.nranks} ranks but the job has {size}: launch "
                     f"mpiexec -n {topo.nranks}")
     if out is not None:
-        folder = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise Error(f"--write {out}: cannot write into {folder} (no such folder, or not writable); "
-                        f"give a path in a folder you can write")
-        if os.path.abspath(out) == os.path.abspath(topo.source or ""):
+        if topo.source and os.path.exists(out) and os.path.exists(topo.source) and os.path.samefile(out, topo.source):
             raise Error(f"--write {out} is the file being probed: give another path, so that the file "
                         f"measured against stays as it was")
+        check_output_file("--write", out, "measured.yaml")
     return topo
 
 
