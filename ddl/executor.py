@@ -1180,6 +1180,10 @@ class Engine:
         if silent and (ex.warned or ex.state == "agreement"):
             notes.append(f"no word from {format_ranks(silent)}: not in this collective, busy outside ddl "
                          f"(not calling Wait/Test), in another MPI call, or dead")
+        if not ex.check and ex.plan is not None and self.size > 1:
+            notes.append("this call was not checked against the other ranks' (check='new' checks a signature "
+                         "the first time a rank sees it, 'off' never): if they called with other arguments, "
+                         "DDL_CHECK=always says which")
         return head + body + (". " + "; ".join(notes) if notes else "")
 
     def _pending_text(self, ex):
