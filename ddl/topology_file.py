@@ -20,6 +20,7 @@ import difflib
 import itertools
 import json
 import math
+import os
 import pathlib
 import re
 import reprlib
@@ -28,7 +29,8 @@ from collections import namedtuple
 import yaml
 
 from .errors import TopologyError
-from .units import BANDWIDTH_PS, BANDWIDTH_UNITS, LATENCY_UNITS, missing_unit_hint, parse_bandwidth, parse_latency, whole_number
+from .schedule import file_kind
+from .units import BANDWIDTH_PS, BANDWIDTH_UNITS, LATENCY_UNITS, format_size, missing_unit_hint, parse_bandwidth, parse_latency, whole_number
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
@@ -70,14 +72,35 @@ Spec.__doc__ = """A validated topology in explicit form.
 
 # ----------------------------------------------------------------------------------------- reading
 
+# The largest topology file read: an explicit file of 100 000 links takes about 10 MB.
+MAX_FILE_BYTES = 256 << 20
+
+
 def load(path):
     """Read, expand and validate the topology file at ``path``; return its :class:`Spec`."""
     return parse(read(path), source=str(path))
 
 
 def read(path):
-    """Parse the file at ``path`` (JSON for ``*.json``, YAML otherwise) into plain Python data."""
+    """Parse the file at ``path`` (JSON for ``*.json``, YAML otherwise) into plain Python data.
+
+    Only a regular file of at most :data:`MAX_FILE_BYTES` is read: a FIFO would block the reader,
+    and ``/dev/zero`` would fill its memory."""
     source = str(path)
+    if not source.strip():
+        raise TopologyError("no file named (the path is empty): give the path of a .yaml or .json topology file")
+    kind = file_kind(source)
+    if kind is not None and kind != "a folder":
+        raise TopologyError(f"is {kind}, not a regular file: give the path of a .yaml or .json topology file",
+                            source)
+    try:
+        size = os.stat(source).st_size
+    except OSError:
+        size = 0           # (reading it says why)
+    if size > MAX_FILE_BYTES:
+        raise TopologyError(f"is {format_size(size)}, and topology files are read up to "
+                            f"{format_size(MAX_FILE_BYTES)}: is it the right file? (a cluster's file describes "
+                            f"its nodes with 'for:' templates or 'tiers', see the README)", source)
     try:
         text = pathlib.Path(path).read_text(encoding="utf-8-sig")    # a byte-order mark is no error
     except FileNotFoundError:

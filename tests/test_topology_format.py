@@ -4,6 +4,7 @@ entry and a fix)."""
 import copy
 import json
 import pathlib
+import re
 import textwrap
 import time
 
@@ -333,6 +334,28 @@ def test_missing_file_is_a_topology_error(tmp_path):
     with pytest.raises(TopologyError, match="no such file") as info:
         Topology.load(tmp_path / "nothere.yaml")
     assert "nothere.yaml" in str(info.value)
+
+
+def test_only_a_regular_file_of_bounded_size_is_read(tmp_path, monkeypatch):
+    """A FIFO blocked the reader and /dev/zero filled its memory; an empty path read as the folder '.'."""
+    import os
+    import ddl.topology_file as topology_file
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path, says in ((fifo, "is a FIFO (named pipe), not a regular file"),
+                       ("/dev/zero", "is a character device, not a regular file"),
+                       ("", "no file named (the path is empty)"),
+                       (tmp_path, "is a directory")):
+        with pytest.raises(TopologyError, match=re.escape(says)) as info:
+            Topology.load(path)
+        assert str(info.value).startswith(f"{path}: " if str(path) else "no file named")
+    big = tmp_path / "big.yaml"
+    big.write_text(MINI_YAML)
+    monkeypatch.setattr(topology_file, "MAX_FILE_BYTES", big.stat().st_size - 1)
+    with pytest.raises(TopologyError, match=r"big.yaml: is \d+ B, and topology files are read up to \d+ B"):
+        Topology.load(big)
+    monkeypatch.setattr(topology_file, "MAX_FILE_BYTES", big.stat().st_size)
+    assert Topology.load(big).nranks > 0
 
 
 def test_top_level_must_be_a_mapping(tmp_path):
