@@ -17,6 +17,7 @@ graph (ranks reaching each other) live in :mod:`ddl.topology`.
 Units inside a Spec: bytes/s, seconds.
 """
 import difflib
+import functools
 import itertools
 import json
 import math
@@ -24,6 +25,7 @@ import os
 import pathlib
 import re
 import reprlib
+import string
 from collections import namedtuple
 
 import yaml
@@ -511,6 +513,9 @@ def _fill(body, env, where, label):
 
 
 def _fill_string(value, env, where, label):
+    problem = _template_problem(value)
+    if problem:
+        _fail(where, label, f"template {value!r}: {problem}")
     try:
         return value.format(**env)
     except KeyError as exc:
@@ -521,6 +526,29 @@ def _fill_string(value, env, where, label):
                             f"str.format strings such as 'h{{i}}/gpu{{p[0]}}'")
     except RecursionError:          # '{p}' of a list nested thousands deep (from a dict, not a file)
         _fail(where, label, "the entry is nested too deeply to be a topology entry")
+
+
+# The widest field a template may ask for ('{i:>1000000000}' would take a gigabyte per entry).
+MAX_FIELD_WIDTH = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def _template_problem(value):
+    """What a template may not do, or None: read attributes (``{i.__class__}``: names and indexes are
+    what ids need) or ask for fields wider than :data:`MAX_FIELD_WIDTH`. Checked once per template."""
+    try:
+        fields = [(name, spec) for _, name, spec, _ in string.Formatter().parse(value) if name is not None]
+    except ValueError:
+        return None         # (str.format says what is wrong with it)
+    for name, spec in fields:
+        if "." in name:
+            return f"{{{name}}} reads an attribute; use a for: variable or an index such as {{p[0]}}"
+        if "{" in spec:
+            return f"the format of {{{name}}} is itself a template; write it out, e.g. {{{name}:02d}}"
+        widths = [int(w) for w in re.findall(r"\d+", spec)]
+        if widths and max(widths) > MAX_FIELD_WIDTH:
+            return f"{{{name}:{spec}}} asks for a field of {max(widths)} characters; at most {MAX_FIELD_WIDTH}"
+    return None
 
 
 # ---------------------------------------------------------------------------------- hierarchy form

@@ -358,6 +358,17 @@ def test_only_a_regular_file_of_bounded_size_is_read(tmp_path, monkeypatch):
     assert Topology.load(big).nranks > 0
 
 
+@pytest.mark.parametrize("template,says", [
+    ("h{i:>1000000000}", "asks for a field of 1000000000 characters; at most 64"),   # (a gigabyte per entry)
+    ("h{i.__class__.__name__}{i}", "reads an attribute"),
+    ("h{i:{i}}", "is itself a template")])
+def test_templates_may_not_read_attributes_or_ask_for_huge_fields(tmp_path, template, says):
+    text = ("name: t\nnodes:\n  - {id: sw, kind: switch}\n  - {id: '%s', kind: host, for: {i: 2}}\n"
+            "links: []\nranks: []\n" % template)
+    err = load_error(tmp_path, text)
+    assert f"nodes[1]: template {template!r}: " in str(err) and says in str(err), str(err)
+
+
 def test_top_level_must_be_a_mapping(tmp_path):
     err = load_error(tmp_path, "- a\n- b\n")
     assert "top level must be a mapping" in str(err)
