@@ -38,6 +38,9 @@ KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
 _RANK_NODE = f"a {', '.join(RANK_KINDS[:-1])} or {RANK_KINDS[-1]} node"     # (in messages)
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e18     # bytes/s: 1 B/s to 1 EB/s (beyond, times over- or underflow)
+# Latencies and message costs up to a minute, far beyond any fabric's (1e308 s overflowed the simulator
+# into a "deadlock" that named no file).
+MAX_DURATION = 60.0
 DEFAULT_LATENCY = 1e-6  # seconds, when neither the link nor the file's defaults give one
 
 TOP_KEYS = ("name", "description", "defaults", "nodes", "links", "ranks", "tiers")
@@ -774,6 +777,9 @@ def _duration(value, where, label, key):
                             f"{LATENCY_UNITS}, e.g. '2 us'{missing_unit_hint(value, f'{value} s')}")
     if not math.isfinite(result) or result < 0:
         _fail(where, label, f"{key} must be zero or positive and finite, got {value!r}, e.g. '2 us'")
+    if result > MAX_DURATION:
+        _fail(where, label, f"{key} {value!r} is outside what ddl plans for (0 to {MAX_DURATION:g} s); "
+                            f"give the time of one hop (or of posting one message), e.g. '2 us'")
     return result
 
 

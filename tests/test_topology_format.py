@@ -272,7 +272,8 @@ def test_message_cost_is_a_duration_that_changes_the_fingerprint():
     # zero is the same fabric as none given
     assert Topology.from_dict({**mini(), "defaults": {"message_cost": 0}}) == plain
     for bad, says in (("-1 us", "must be zero or positive"), ("5 GB/s", "cannot read message_cost"),
-                      (float("inf"), "must be zero or positive")):
+                      (float("inf"), "must be zero or positive"),
+                      ("1e308 s", r"message_cost '1e308 s' is outside what ddl plans for \(0 to 60 s\)")):
         with pytest.raises(TopologyError, match=says) as err:
             Topology.from_dict({**mini(), "defaults": {"message_cost": bad}})
         assert "defaults" in str(err.value) and "e.g. '2 us'" in str(err.value)
@@ -635,6 +636,9 @@ def test_absurd_sizes_fail_fast_with_the_entry_named(tmp_path):
         Topology.from_dict(pair(bandwidth=1e305, count=10 ** 6))
     with pytest.raises(TopologyError, match=r"links\[0\]: bandwidth 1e-300 is outside what ddl plans for \(1 B/s"):
         Topology.from_dict(pair(bandwidth=1e-300))                           # times would overflow
+    with pytest.raises(TopologyError, match=r"links\[0\]: latency '61 s' is outside what ddl plans for \(0 to 60"):
+        Topology.from_dict(pair(latency="61 s"))          # (1e308 s planned as a deadlock naming no file)
+    assert Topology.from_dict(pair(latency="60 s")).nranks == 2
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000 + "]" * 100000)
     with pytest.raises(TopologyError, match="nested too deeply"):
