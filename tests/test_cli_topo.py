@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddl import Error
+from ddl.cli import main
 from ddl.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,3 +220,14 @@ def test_every_option_that_writes_a_file_checks_it_in_the_same_words(tmp_path):
     missing = tmp_path / "missing" / "t.png"
     proc = ddl("topo", "draw", ZOO / "emulated-flat.yaml", "-o", missing)
     assert proc.returncode == 2 and proc.stderr.strip() == f"ddl: error: -o {missing}: folder {missing.parent} does not exist"
+
+
+@pytest.mark.parametrize("argv,usage", [(["topo", "show", "a.yaml", "b.yaml"], "usage: ddl topo show [-h] FILE"),
+                                        (["plan", "a.yaml", "--bogus"], "usage: ddl plan [-h]"),
+                                        (["--bogus"], "usage: ddl [-h]")])
+def test_words_left_over_are_refused_with_the_usage_of_their_command(capsys, argv, usage):
+    """(``ddl topo show a b`` showed ddl's own usage, as if no command had been given.)"""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(usage) and "error: unrecognized arguments: " in err, err

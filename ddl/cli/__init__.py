@@ -58,6 +58,14 @@ class _Parser(argparse.ArgumentParser):
             self.exit(2)
         super().error(message)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Also note in the namespace the innermost (sub)command's parser, which parses first: words
+        left over are then refused with that command's usage (``ddl topo show a b``), not ddl's."""
+        namespace, extra = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "_parser"):
+            namespace._parser = self
+        return namespace, extra
+
 
 def build_parser():
     parser = _Parser(prog="ddl", description="Topology-aware collective communication.")
@@ -76,7 +84,9 @@ def build_parser():
 
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
