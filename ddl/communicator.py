@@ -64,10 +64,10 @@ from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, device_star
 from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
-from .executor import (_ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, _env_float, _env_int,
-                       in_flight_everywhere)
+from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere
 from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
+from .settings import env_flag, env_float, env_int
 from .units import message_size
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
@@ -291,8 +291,8 @@ class Communicator:
         self._agree_on_setup()
         if use_board:
             self._board = ShmBoard(self._pcomm)
-        over = os.environ.get("DDL_OVERSUBSCRIBED", "")
-        self.oversubscribed = local > cores if over == "" else over not in ("0", "false", "no")
+        if self.oversubscribed is None:
+            self.oversubscribed = local > cores
         self._engine = Engine(self._pcomm, self._gcomm, stall["stall_warning"], stall["stall_timeout"],
                               board=self._board, oversubscribed=self.oversubscribed, scratch_bytes=scratch_bytes)
         self._seq = 0
@@ -333,10 +333,12 @@ class Communicator:
     def _configure(self, check, algorithm, stall_warning, stall_timeout, topology, planner):
         """This rank's own settings, checked (no communication): sets the attributes they give and returns
         ``(stall settings, agreement, inline limit, scratch budget)`` for the collective set-up."""
+        source = "check"
         if check is None:
-            check = os.environ.get("DDL_CHECK", "always") or "always"
+            source, check = "environment variable DDL_CHECK", os.environ.get("DDL_CHECK", "always") or "always"
         if check not in CHECK_MODES:
-            raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+            raise Error(f"{source} must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+        self.oversubscribed = env_flag("DDL_OVERSUBSCRIBED", None)    # (None: counted below, in __init__)
         self.check = check
         self.algorithm = algorithm = "auto" if algorithm is None else algorithm
         self._algorithm_of = self._algorithms(algorithm)
@@ -352,7 +354,7 @@ class Communicator:
                                      ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
             env = f"DDL_{name.upper()}"
             stall[name] = (_seconds(name, given) if given is not None else
-                           _seconds(name, _env_float(env, default), f"env {env}"))
+                           _seconds(name, env_float(env, default), f"env {env}"))
 
         if topology is Communicator._UNSET:
             topology = os.environ.get("DDL_TOPOLOGY") or None
@@ -366,11 +368,11 @@ class Communicator:
         if agreement not in ("auto", "shm", "mpi"):
             raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
         limit = ShmBoard.inline_limit(self.size)
-        inline = _env_int("DDL_INLINE_BYTES", limit)
+        inline = env_int("DDL_INLINE_BYTES", limit)
         if not 0 <= inline <= limit:
             raise Error(f"DDL_INLINE_BYTES must be between 0 and {limit} (min(1 MiB, 2 MiB / ranks)) "
                         f"on {self.size} ranks, got {inline}")
-        scratch_bytes = _env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
+        scratch_bytes = env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
         if scratch_bytes < 0:
             raise Error(f"DDL_SCRATCH_BYTES must be zero or more bytes, got {scratch_bytes}")
         self._planner = planner

@@ -91,6 +91,7 @@ from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk
 from .errors import Error, StallError
 from .ops import reduce_quietly
 from .schedule import RECV, SEND
+from .settings import env_float, env_int
 
 # compiled op codes
 C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
@@ -117,12 +118,12 @@ def idle_policy(oversubscribed):
     once, sleep after 1 ms, large messages or not (on the emulated clusters, where the kernel carries the
     links on the same cores, yielding for 50 ms made the interleaved two racks' 64 MiB allreduce 4-11%
     slower). Each can be set by environment."""
-    spin = _env_int("DDL_SPIN", 0 if oversubscribed else 64)
-    sleep_after = _env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
-    sleep_after_large = max(sleep_after, _env_float("DDL_IDLE_SLEEP_AFTER_LARGE",
+    spin = env_int("DDL_SPIN", 0 if oversubscribed else 64)
+    sleep_after = env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
+    sleep_after_large = max(sleep_after, env_float("DDL_IDLE_SLEEP_AFTER_LARGE",
                                                     sleep_after if oversubscribed else 0.05))
-    nap = _env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
-    nap_max = max(nap, _env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))
+    nap = env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
+    nap_max = max(nap, env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))
     return spin, sleep_after, sleep_after_large, nap, nap_max
 
 
@@ -133,27 +134,6 @@ def in_flight_everywhere():
         engine = ref()
         if engine is not None and engine.inflight:
             yield from list(engine.inflight.values())
-
-
-def _env_float(name, default):
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise Error(f"environment variable {name}={value!r} is not a number") from None
-    if math.isnan(number):
-        raise Error(f"environment variable {name}={value!r} is not a number")
-    return number
-
-
-def _env_int(name, default):
-    """An integer setting (bytes, counts): a finite number, rounded down."""
-    number = _env_float(name, default)
-    if not math.isfinite(number):
-        raise Error(f"environment variable {name}={os.environ.get(name)!r} must be a finite number")
-    return int(number)
 
 
 class TagSpace:
@@ -201,7 +181,7 @@ class CompiledPlan:
         self.ufunc = ufunc
         isz = self.itemsize = np.dtype(dtype).itemsize
         if early_limit is None:
-            early_limit = _env_int("DDL_EARLY_LIMIT", 256 * 1024)
+            early_limit = env_int("DDL_EARLY_LIMIT", 256 * 1024)
         n = schedule.nranks
         nchunks = schedule.nchunks
         # initial location and home of every chunk id (ddl.buffer_layout), with our buffer numbers
@@ -290,7 +270,7 @@ class CompiledPlan:
         self.nops = len(ops)
         self.max_chunk = schedule.nids
         # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
-        large = _env_int("DDL_LARGE_MESSAGE", 16 * 1024)
+        large = env_int("DDL_LARGE_MESSAGE", 16 * 1024)
         self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
         self.cache_views = count * isz <= _VIEW_CACHE_BYTES   # see Engine._views
 

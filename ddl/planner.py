@@ -35,6 +35,7 @@ from pathlib import Path
 
 from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule, gc_paused, write_file
+from .settings import env_flag
 from .simulate import Outpaced, simulate
 from .units import message_size
 from .verify import Abandoned, verify
@@ -140,7 +141,7 @@ class Planner:
         self.topo = topo
         self.workers = max(1, int(workers))
         if use_disk_cache is None:
-            use_disk_cache = os.environ.get("DDL_PLAN_CACHE", "").strip().lower() not in ("0", "false", "no", "off")
+            use_disk_cache = env_flag("DDL_PLAN_CACHE", True)
         base = cache_dir or os.environ.get("DDL_CACHE_DIR") or Path.home() / ".cache" / "ddl"
         base = Path(base).expanduser()
         self.cache_dir = base / _cache_generation() / topo.fingerprint[:16] if use_disk_cache else None

@@ -308,14 +308,29 @@ def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
 @pytest.mark.parametrize("value,says", [("nan", "is not a number"), ("abc", "is not a number"),
                                         ("inf", "must be a finite number"), ("-inf", "must be a finite number")])
 def test_integer_settings_refuse_what_is_not_a_finite_number(monkeypatch, value, says):
-    from ddl.executor import _env_float, _env_int
+    from ddl.settings import env_float, env_int
     monkeypatch.setenv("DDL_EARLY_LIMIT", value)
     with pytest.raises(ddl.Error, match=f"DDL_EARLY_LIMIT={value!r} {says}"):
-        _env_int("DDL_EARLY_LIMIT", 7)
+        env_int("DDL_EARLY_LIMIT", 7)
     monkeypatch.setenv("DDL_EARLY_LIMIT", "4096.9")
-    assert _env_int("DDL_EARLY_LIMIT", 7) == 4096
+    assert env_int("DDL_EARLY_LIMIT", 7) == 4096
     monkeypatch.setenv("DDL_EARLY_LIMIT", "inf")
-    assert _env_float("DDL_EARLY_LIMIT", 7) == float("inf")      # where inf means "never" (stall settings)
+    assert env_float("DDL_EARLY_LIMIT", 7) == float("inf")      # where inf means "never" (stall settings)
+
+
+def test_on_off_settings_take_the_usual_words_and_refuse_others(monkeypatch):
+    from ddl.planner import Planner, flat_topology
+    from ddl.settings import env_flag
+    for words, meaning in ((("1", "true", "Yes", "ON "), True), (("0", "false", "NO", "off"), False), (("",), None)):
+        for word in words:
+            monkeypatch.setenv("DDL_OVERSUBSCRIBED", word)
+            assert env_flag("DDL_OVERSUBSCRIBED", None) is meaning, word
+    monkeypatch.setenv("DDL_OVERSUBSCRIBED", "maybe")        # (it was taken for "on", DDL_PLAN_CACHE's likewise)
+    with pytest.raises(ddl.Error, match=r"DDL_OVERSUBSCRIBED='maybe' is neither on \(1, true, yes, on\) nor off"):
+        env_flag("DDL_OVERSUBSCRIBED", None)
+    monkeypatch.setenv("DDL_PLAN_CACHE", "maybe")
+    with pytest.raises(ddl.Error, match="DDL_PLAN_CACHE='maybe'"):
+        Planner(flat_topology(2))
 
 
 def test_a_span_whose_chunks_take_different_operand_orders_is_reduced_chunk_by_chunk():

@@ -504,6 +504,13 @@ for mode in ("new", "off"):
         chk.ok(np.all(v == p), f"check=new: the corrected call after a mismatch: {v}")
     c3.Free()
 expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check must be one of", label="bad check")
+os.environ["DDL_CHECK"] = "bogus"
+expect(ddl.Error, lambda: ddl.Communicator(WORLD), "environment variable DDL_CHECK must be one of always, new, off, "
+       "got 'bogus'", label="bad DDL_CHECK")
+os.environ["DDL_OVERSUBSCRIBED"] = "maybe"
+del os.environ["DDL_CHECK"]
+expect(ddl.Error, lambda: ddl.Communicator(WORLD), "DDL_OVERSUBSCRIBED='maybe' is neither on", label="bad DDL_OVERSUBSCRIBED")
+del os.environ["DDL_OVERSUBSCRIBED"]
 
 # ---- threads ----------------------------------------------------------------------------------------------
 # One thread at a time inside ddl: a second that calls in meanwhile is refused at once (two inside together

@@ -1,0 +1,44 @@
+"""Settings read from the environment (``DDL_*``): a value that cannot be read is an error naming the
+variable, never taken silently for the default or for its opposite."""
+import math
+import os
+
+from .errors import Error
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_float(name, default):
+    """A number; unset or empty: ``default``."""
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise Error(f"environment variable {name}={value!r} is not a number") from None
+    if math.isnan(number):
+        raise Error(f"environment variable {name}={value!r} is not a number")
+    return number
+
+
+def env_int(name, default):
+    """An integer setting (bytes, counts): a finite number, rounded down."""
+    number = env_float(name, default)
+    if not math.isfinite(number):
+        raise Error(f"environment variable {name}={os.environ.get(name)!r} must be a finite number")
+    return int(number)
+
+
+def env_flag(name, default):
+    """On or off: ``1 true yes on`` or ``0 false no off`` (any case); unset or empty: ``default``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise Error(f"environment variable {name}={value!r} is neither on ({', '.join(_TRUE)}) nor off "
+                f"({', '.join(_FALSE)})")
