@@ -890,7 +890,9 @@ def _load_topology(opts, nranks):
     if opts.scale:
         topo = scaled_topology(topo, opts.scale)
     if topo.nranks != nranks:
-        raise Error(f"topology {topo.name!r} ({opts.topology}) has {topo.nranks} ranks but this MPI job has "
+        env = os.environ.get("DDL_TOPOLOGY")
+        named = ", named by DDL_TOPOLOGY" if env and os.path.abspath(env) == opts.topology else ""
+        raise Error(f"topology {topo.name!r} ({opts.topology}{named}) has {topo.nranks} ranks but this MPI job has "
                     f"{nranks}: run `mpiexec -n {topo.nranks} ddl bench ...`, or `ddl bench FILE` alone "
                     f"and it launches mpiexec itself")
     return topo
