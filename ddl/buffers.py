@@ -117,8 +117,12 @@ def _as_array(obj, what, opaque_ok=False):
             on_cpu = getattr(obj, "__dlpack_device__", lambda: (1, 0))()[0] == 1
             raise Error(f"{what}: cannot access its memory via DLPack ({exc})"
                         + ("" if on_cpu else "; pass a CPU array")) from None
+    if is_in_place(obj):
+        raise Error(f"{what} cannot be IN_PLACE: IN_PLACE goes in sendbuf, with the buffer it stands for as "
+                    f"recvbuf (Bcast's one buffer is always used in place)")
+    hint = " (lists are not buffers: use numpy.array(...))" if isinstance(obj, (list, tuple)) else ""
     raise Error(f"{what} must be a numpy array or an object with the buffer protocol, got {type(obj).__name__}"
-                f" (lists are not buffers: use numpy.array(...))")
+                + hint)
 
 
 def torch_bfloat16(obj, what):

@@ -52,7 +52,6 @@ Not thread safe: one thread at a time may be inside ddl (any of its communicator
 """
 import functools
 import math
-import operator
 import os
 import threading
 import weakref
@@ -68,7 +67,7 @@ from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, 
 from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
 from .schedule import Schedule
 from .settings import env_flag, env_float, env_int
-from .units import message_size
+from .units import message_size, whole_number
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
 
@@ -996,11 +995,10 @@ def _seconds(name, value, source=None):
 
 def _root(root, size):
     """``root`` as a rank of a communicator of ``size`` (an integer, as mpi4py demands: 1.7 is not
-    rank 1), else a :class:`ddl.Error`."""
-    try:
-        rank = operator.index(root)
-    except TypeError:
-        raise Error(f"Bcast: root must be an integer rank, got {root!r}") from None
+    rank 1, nor is True), else a :class:`ddl.Error`."""
+    rank = whole_number(root)          # (None for True, which would be rank 1)
+    if rank is None:
+        raise Error(f"Bcast: root must be an integer rank, got {root!r}")
     if not 0 <= rank < size:
         raise Error(f"Bcast: root {rank} is not a rank of this communicator (size {size})")
     return rank

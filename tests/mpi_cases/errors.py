@@ -186,6 +186,13 @@ expect(ddl.Error, lambda: comm.Allgather(np.ones(3), np.empty(3 * p + 1)), "size
 expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=p), f"root {p}", label="bcast root")
 expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=1.7), "integer rank", "1.7", label="bcast root 1.7")
 expect(ddl.Error, lambda: comm.Ibcast(np.ones(3), root=None), "integer rank", "None", label="bcast root None")
+expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=True), "integer rank", "True", label="bcast root True")
+expect(ddl.Error, lambda: comm.Allreduce(np.ones(2), ddl.IN_PLACE), "recvbuf cannot be IN_PLACE: IN_PLACE goes in "
+       "sendbuf", label="IN_PLACE as recvbuf")
+expect(ddl.Error, lambda: comm.Bcast(ddl.IN_PLACE), "buf cannot be IN_PLACE", label="IN_PLACE to Bcast")
+root_np = np.ones(3) * r
+comm.Bcast(root_np, root=np.int64(last))          # numpy's integers are ranks
+chk.ok(np.all(root_np == last), f"Bcast from np.int64({last}): {root_np}")
 comm.Bcast(b := np.full(2, r, np.int32), root=np.int64(last))
 chk.ok(np.all(b == last), "Bcast with a numpy integer root")
 for bad in (-5, 0, float("nan"), "soon"):
