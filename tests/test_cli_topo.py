@@ -231,3 +231,14 @@ def test_words_left_over_are_refused_with_the_usage_of_their_command(capsys, arg
         main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.startswith(usage) and "error: unrecognized arguments: " in err, err
+
+
+@pytest.mark.parametrize("option,value,says", [("--gpus", "0,1,0", "0 is listed twice in '0,1,0'"),
+                                               ("--nics", "mlx5_0, mlx5_0", "mlx5_0 is listed twice")])
+def test_import_refuses_a_gpu_or_nic_listed_twice(capsys, tmp_path, option, value, says):
+    """(The duplicate was dropped without a word: one GPU fewer than the user listed.)"""
+    with pytest.raises(SystemExit) as info:
+        main(["topo", "import", str(Path(__file__).parent / "nvidia_smi" / "dgx-a100.txt"), "--gpu", "a100", option, value,
+              "-o", str(tmp_path / "x.yaml")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"argument {option}: {says}" in err and not (tmp_path / "x.yaml").exists()

@@ -100,11 +100,16 @@ def positive_float(text):
 
 
 def list_of(parse):
-    """An argparse type: comma-separated values, each stripped of spaces and read by ``parse``."""
+    """An argparse type: comma-separated values, each stripped of spaces and read by ``parse``; a value
+    given twice is refused (``--gpus 0,0`` would otherwise lose a GPU without a word)."""
     parse = reported(parse)
 
     def parse_all(text):
-        return [parse(item.strip()) for item in text.split(",")]
+        values = [parse(item.strip()) for item in text.split(",")]
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:
+            raise argparse.ArgumentTypeError(f"{twice} is listed twice in {text!r}")
+        return values
     return parse_all
 
 
