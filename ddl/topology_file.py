@@ -199,6 +199,10 @@ def _parse_yaml(text, source):
         problem = exc.problem or exc.context or "invalid YAML"
         if isinstance(exc, _DuplicateKey):
             raise TopologyError(f"{problem}{where}", source) from None
+        if "another document" in problem:
+            raise TopologyError(f"a second YAML document begins{where}: a topology file is one document; "
+                                f"remove the '---' line there, or put the second topology in a file of its own",
+                                source) from None
         raise TopologyError(f"YAML syntax error{where}: {problem}{_tab_hint(text, mark)}; check the "
                             f"indentation, colons and brackets there (quote strings that contain ': ', '#', "
                             f"'{{' or '[')", source) from None

@@ -370,6 +370,12 @@ def test_templates_may_not_read_attributes_or_ask_for_huge_fields(tmp_path, temp
     assert f"nodes[1]: template {template!r}: " in str(err) and says in str(err), str(err)
 
 
+def test_a_second_yaml_document_is_named_as_such(tmp_path):
+    err = load_error(tmp_path, MINI_YAML + "---\nname: other\n")
+    line = MINI_YAML.count("\n") + 1
+    assert f"a second YAML document begins at line {line}, column 1" in str(err) and "remove the '---'" in str(err)
+
+
 def test_top_level_must_be_a_mapping(tmp_path):
     err = load_error(tmp_path, "- a\n- b\n")
     assert "top level must be a mapping" in str(err)
