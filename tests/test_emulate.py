@@ -64,6 +64,23 @@ def small(name, hosts=2, per_host=2, rate=200 * MBIT):
 
 # ------------------------------------------------------------------------------------ mapping, no root
 
+def test_the_self_check_times_every_distinct_rate_of_each_class():
+    """Hosts with 100, 200 and 400 Mbit/s NICs on one switch: one pair per distinct route rate (only the
+    slowest pair was timed, so a wrong shaper on the faster NICs passed); the two racks: one per class."""
+    from ddl.emulate.selfcheck import ACROSS, SAME_HOST, SAME_SWITCH, choose_pairs
+    nodes, links, ranks = [("sw", "switch")], [], []
+    for h, mbit in enumerate((100, 200, 400, 400)):
+        nodes += [(f"n{h}", "host"), (f"n{h}/cpu0", "cpu")]
+        links += [{"a": f"n{h}", "b": "sw", "bandwidth": mbit * MBIT}, {"a": f"n{h}/cpu0", "b": f"n{h}", "bandwidth": 5e9}]
+        ranks.append(f"n{h}/cpu0")
+    plan = plan_network(Topology("mixed", nodes, links, ranks), "ddl-7")
+    pairs = choose_pairs(plan)
+    assert pairs == [(SAME_SWITCH, "n0", "n1"), (SAME_SWITCH, "n1", "n2"), (SAME_SWITCH, "n2", "n3")]
+    assert [plan.path_rate(a, b) for _, a, b in pairs] == [100 * MBIT, 200 * MBIT, 400 * MBIT]
+    racks = plan_network(two_rack(), "ddl-8")
+    assert [cls for cls, _, _ in choose_pairs(racks)] == [SAME_HOST, SAME_SWITCH, ACROSS]
+
+
 def test_two_rack_mapping():
     plan = plan_network(two_rack(), "ddl-7")
     assert [h.netns for h in plan.hosts] == [f"ddl-7-h{i}" for i in range(4)]
@@ -357,6 +374,34 @@ def test_run_reads_its_options_after_file_up_to_the_command(fake_run, tmp_path, 
         err = capsys.readouterr().err
         assert err.startswith("ddl: error: ") and words in err and err.count("\n") == 1, err
         assert "built" not in fake_run
+
+
+def test_run_refuses_mpiexec_options_it_sets_itself(fake_run, tmp_path, capsys):
+    """``-- -n 2 CMD`` failed inside hydra ("duplicate setting"); other mpiexec options pass."""
+    from ddl.cli import main
+    path = tmp_path / "small.json"
+    small("launcher").dump(path)
+    for words, option in ((["-n", "2"], "-n"), (["-genv", "A", "b", "-hosts", "h0"], "-hosts"),
+                          (["-launcher=ssh"], "-launcher=ssh")):
+        assert main(["emulate", "run", str(path), "--", *words, "prog"]) == 2
+        err = capsys.readouterr().err
+        assert f"ddl: error: {option} is set by ddl emulate run itself" in err and err.count("\n") == 1, err
+        assert "built" not in fake_run
+    assert main(["emulate", "run", str(path), "--", "-genv", "A", "-n", "-verbose", "prog", "-n", "3"]) == 0
+    assert fake_run["cmd"] == ["-genv", "A", "-n", "-verbose", "prog", "-n", "3"]
+
+
+def test_a_run_stopped_by_its_timeout_exits_124_not_as_a_user_error(fake_run, tmp_path, capsys, monkeypatch):
+    from ddl.cli import main
+    path = tmp_path / "small.json"
+    small("late").dump(path)
+
+    def late(cluster, argv, placement, env=None, timeout=None, **kw):
+        raise launch.JobTimedOut(f"MPI job `{' '.join(argv)}` did not finish in {timeout:g} s; it was stopped")
+    monkeypatch.setattr(launch, "run", late)
+    assert main(["emulate", "run", str(path), "--timeout", "2", "--", "sleep", "30"]) == 124
+    assert capsys.readouterr().err == "ddl: MPI job `sleep 30` did not finish in 2 s; it was stopped\n"
+    assert fake_run["built"]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

@@ -83,8 +83,14 @@ def build_parser():
 
 
 def main(argv=None):
-    parser = build_parser()
+    try:
+        parser = build_parser()        # (imports every command's module: Ctrl-C may land in it)
+    except KeyboardInterrupt:
+        print("ddl: interrupted", file=sys.stderr)
+        return 130
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv         # as typed: argparse drops a `--` that ends the options (see emulate run)
     if extra:
         args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):

@@ -15,6 +15,7 @@ import argparse
 import functools
 import math
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -120,6 +121,11 @@ def cmd_up(args):
     except BaseException:
         cluster.down()
         raise
+    from ..emulate import launch
+    job = launch.mpiexec_argv(cluster, ["CMD"], launch.rank_hosts(topo),
+                              env={"DDL_TOPOLOGY": os.path.abspath(args.file)})
+    print(f"run an MPI job on it (ranks placed as the file says; CMD: your program and its arguments):\n"
+          f"  {shlex.join(job)}")
     print(f"cluster {topo.name!r} is up; remove it with: ddl emulate down {args.file}")
     return 0
 
@@ -153,14 +159,39 @@ def cmd_run(args):
     if args.timeout is not None and not 0 < args.timeout < math.inf:
         raise Error(f"--timeout must be a positive number of seconds, got {args.timeout:g} "
                     "(leave it out for no limit)")
+    _refuse_launcher_options(cmd)
     topo = _load(args.file)
     launch.find_hydra()
     with Cluster.create(topo, scale=args.scale, mtu=args.mtu) as cluster:
         if not args.no_check:
             _check(cluster, topo, sys.stderr)
         env = {"DDL_TOPOLOGY": os.path.abspath(args.file)}
-        res = launch.run(cluster, cmd, launch.rank_hosts(topo), env=env, timeout=args.timeout)
+        try:
+            res = launch.run(cluster, cmd, launch.rank_hosts(topo), env=env, timeout=args.timeout)
+        except launch.JobTimedOut as exc:
+            print(f"ddl: {exc}", file=sys.stderr)
+            return TIMED_OUT
     return res.returncode
+
+
+TIMED_OUT = 124
+"""Exit status of ``run`` when ``--timeout`` stopped CMD: timeout(1)'s, not a user error's 2."""
+
+# mpiexec options that ddl sets itself for the emulated cluster: given again after --, hydra fails with
+# "duplicate setting" far from the cause
+_LAUNCHER_OPTIONS = ("-n", "-np", "-hosts", "-host", "-f", "-hostfile", "-machinefile", "-launcher",
+                     "-launcher-exec", "-localhost", "-ppn", "-rr")
+
+
+def _refuse_launcher_options(cmd):
+    """Refuse, in one line, mpiexec words before CMD's program that would clash with ddl's own."""
+    i = 0
+    while i < len(cmd) and cmd[i].startswith("-"):
+        word = cmd[i].split("=", 1)[0]
+        if word in _LAUNCHER_OPTIONS:
+            raise Error(f"{cmd[i]} is set by ddl emulate run itself (the file's ranks fix the rank count "
+                        f"and their hosts); leave it out, other mpiexec options may go after --")
+        i += 3 if word in ("-genv", "-env") else 2 if word in ("-genvlist", "-envlist", "-wdir") else 1
 
 
 def _split_command(args):
@@ -171,6 +202,9 @@ def _split_command(args):
     ``--scale 2`` to prog. An unknown option there is refused rather than handed to mpiexec (which
     would take ``--scal 0.5`` for its own and fail far from the typo); mpiexec's go after ``--``.
     """
+    typed = getattr(args, "argv", [])
+    if "--" in typed and typed[typed.index("--") + 1:] == args.cmd:
+        return args.cmd      # `run FILE -- CMD`: argparse took the `--`, and everything after it is CMD
     late = argparse.ArgumentParser(prog="ddl emulate run", add_help=False, exit_on_error=False)
     late.add_argument("--no-check", action="store_true", default=args.no_check)
     late.add_argument("--scale", type=float, default=args.scale)

@@ -45,6 +45,10 @@ TRANSPORT_ENV = {
 SSH_STANDIN = "ns-ssh"
 
 
+class JobTimedOut(Error):
+    """A job on the emulated cluster ran past its time limit and was stopped."""
+
+
 def find_hydra():
     """MPICH's ``mpiexec`` (hydra), the one :func:`ddl.launcher.find_mpiexec` finds; another MPI's is
     refused, since the launch goes through hydra's ssh launcher and :data:`TRANSPORT_ENV` is MPICH's."""
@@ -155,7 +159,7 @@ def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=Non
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop(proc)
-        raise Error(f"MPI job `{' '.join(argv)}` did not finish in {timeout:.0f} s; it was stopped") from None
+        raise JobTimedOut(f"MPI job `{' '.join(argv)}` did not finish in {timeout:g} s; it was stopped") from None
     except BaseException:
         stop(proc)
         raise

@@ -650,6 +650,15 @@ def _release(state_dir, fd):
         os.close(fd)
 
 
+def _builder_state(tag):
+    """What became of the process that built a cluster (its tag is ``ddl-<pid>``), when it has ended:
+    the cluster was then left up by ``ddl emulate up``, or by a run that was killed."""
+    pid = tag.split("-", 1)[1].split("x", 1)[0] if tag.startswith("ddl-") else ""
+    if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+        return ""
+    return f", left up by process {pid}, no longer running: `ddl emulate up`, or a run that was killed"
+
+
 def refuse_if_up(state_dir, name):
     """Refuse to build over a live cluster of the same name; clean a stale record whose namespaces died.
 
@@ -659,8 +668,8 @@ def refuse_if_up(state_dir, name):
         return
     old = Cluster.load(state_dir)
     if set(old.plan.namespaces) & set(list_namespaces()):
-        raise Error(f"an emulated cluster {name!r} is already up ({old.plan.tag}); "
-                    f"take it down first with `ddl emulate down`")
+        raise Error(f"an emulated cluster {name!r} is already up ({old.plan.tag}{_builder_state(old.plan.tag)}); "
+                    f"take it down first with `ddl emulate down {name}`")
     with _signals_deferred():
         old._down()
 

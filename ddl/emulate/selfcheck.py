@@ -58,19 +58,21 @@ class LinkCheck:
 
 
 def choose_pairs(plan, hosts_with_ranks=None):
-    """One (class, src host, dst host) per link class present, among hosts that run ranks if possible."""
+    """(class, src host, dst host) to time: one pair per link class present and per distinct rate the
+    file gives that class's routes (hosts whose NICs differ each get theirs checked), among hosts that
+    run ranks if possible."""
     pool = [h for h in plan.hosts if hosts_with_ranks is None or h.id in hosts_with_ranks] or list(plan.hosts)
     pairs = []
     if any(len(h.ranks) > 1 for h in pool):
         h = next(h for h in pool if len(h.ranks) > 1)
         pairs.append((SAME_HOST, h.id, h.id))
-    near = [(a, b) for a in pool for b in pool if a.index < b.index and a.switch == b.switch]
-    if near:
-        pairs.append((SAME_SWITCH, near[0][0].id, near[0][1].id))
-    far = [(a, b) for a in pool for b in pool if a.index < b.index and a.switch != b.switch]
-    if far:
-        a, b = min(far, key=lambda ab: plan.path_rate(ab[0].id, ab[1].id))
-        pairs.append((ACROSS, a.id, b.id))
+    for cls, same in ((SAME_SWITCH, True), (ACROSS, False)):
+        by_rate = {}
+        for a in pool:
+            for b in pool:
+                if a.index < b.index and (a.switch == b.switch) == same:
+                    by_rate.setdefault(plan.path_rate(a.id, b.id), (a.id, b.id))
+        pairs += [(cls, *by_rate[rate]) for rate in sorted(by_rate)]
     return pairs
 
 
