@@ -515,6 +515,13 @@ def test_cli_refuses_without_root_or_tools(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "tc" else "/bin/" + name)
     assert main(["emulate", "run", str(path), "--", "true"]) == 2
     assert "needs tc" in capsys.readouterr().err
+    assert main(["emulate", "down", str(tmp_path / "gone.yaml")]) == 2       # (it was taken for a cluster's name)
+    assert "gone.yaml: no such file; give the topology file" in capsys.readouterr().err
+    # ddl bench --emulate says so before it announces the run (its banner used to come first)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["bench", str(path), "--emulate", "--bytes", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddl: error: emulation needs root") and "running on the emulated cluster" not in err, err
 
 
 # ------------------------------------------------------------------------------- a real cluster, root

@@ -243,6 +243,10 @@ def _relaunch_emulated(opts, no_rate_check, mtu=None):
     if no_rate_check:
         cmd.append("--no-check")
     cmd += ["--", sys.executable, "-m", "ddl", "bench", *forward_argv(opts)]
+    from ..emulate.netns import check_can_emulate, plan_network
+    from ..topology import Topology
+    check_can_emulate()                                    # refused before the banner, not after it
+    plan_network(Topology.load(opts.topology), "ddl-check", scale=1.0 if scale is None else scale)
     print(f"ddl bench: running on the emulated cluster: ddl emulate run {opts.topology}"
           f"{f' --scale {scale:g}' if scale is not None else ''} -- python -m ddl bench ...",
           file=sys.stderr, flush=True)

@@ -146,6 +146,9 @@ def _cluster_name(arg):
     """The topology's name when ``arg`` is a readable file, else ``arg`` itself (a cluster name)."""
     if Path(arg).is_file():
         return _load(arg).name
+    if "/" in arg or arg.lower().endswith((".yaml", ".yml", ".json")):
+        raise Error(f"{arg}: no such file; give the topology file the cluster was built from, or the "
+                    f"cluster's name")
     return arg
 
 
