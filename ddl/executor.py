@@ -76,8 +76,8 @@ Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement bo
   naps 20-200 us. A spinning MPI is what makes 8 ranks on 2 cores slow under any competing load.
 
 Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``DDL_IDLE_SLEEP_AFTER_LARGE``,
-``DDL_IDLE_NAP``, ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0``, ``DDL_EARLY_LIMIT``,
-``DDL_LARGE_MESSAGE``).
+``DDL_IDLE_NAP``, ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0`` (or off, no,
+false), ``DDL_EARLY_LIMIT``, ``DDL_LARGE_MESSAGE``).
 """
 import math
 import os
@@ -91,7 +91,7 @@ from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk
 from .errors import Error, StallError
 from .ops import reduce_quietly
 from .schedule import RECV, SEND
-from .settings import env_float, env_int
+from .settings import env_flag, env_float, env_int
 
 # compiled op codes
 C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
@@ -501,7 +501,7 @@ class Engine:
         self._last_status_poll = 0.0
         self.oversubscribed = oversubscribed
         self.spin, self.sleep_after, self.sleep_after_large, self.nap, self.nap_max = idle_policy(oversubscribed)
-        if oversubscribed and os.environ.get("DDL_TIMERSLACK", "1") != "0":
+        if oversubscribed and env_flag("DDL_TIMERSLACK", True):
             _tight_timer_slack()
         use_bell = os.environ.get("DDL_DOORBELL", "auto")
         self.bell = None

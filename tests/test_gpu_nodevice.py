@@ -1027,6 +1027,11 @@ def test_cuda_aware_mpi_detection_explains_itself(monkeypatch):
     assert isinstance(aware, bool) and why
     monkeypatch.setenv("DDL_CUDA_AWARE_MPI", "1")
     assert detect_cuda_aware_mpi() == (True, "DDL_CUDA_AWARE_MPI=1")
+    monkeypatch.setenv("DDL_CUDA_AWARE_MPI", "false")        # (any word but 0 and 1 was ignored)
+    assert detect_cuda_aware_mpi() == (False, "DDL_CUDA_AWARE_MPI=false")
+    monkeypatch.setenv("DDL_CUDA_AWARE_MPI", "maybe")
+    with pytest.raises(ddl.Error, match="DDL_CUDA_AWARE_MPI='maybe' is neither on"):
+        detect_cuda_aware_mpi()
     monkeypatch.setenv("DDL_CUDA_AWARE_MPI", "")
     monkeypatch.setenv("MPIR_CVAR_ENABLE_GPU", "0")
     assert detect_cuda_aware_mpi()[0] is False

@@ -57,6 +57,7 @@ from ..agreement import announced, format_ranks
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
 from ..ops import LOGICAL, SUM, check_op_dtype, reduce_into, resolve_op
+from ..settings import env_flag
 from . import INSTALL_CUPY
 from .buffers import DTYPES, DeviceBuffer, parse_device_buffer
 from .launch_plan import RECV_BUF, SCRATCH_BUF, SEND_BUF, WORK_BUF, launch_plan
@@ -100,13 +101,13 @@ def _mpi_function(name):
 
 
 def detect_cuda_aware_mpi():
-    """(is CUDA-aware, reason). ``DDL_CUDA_AWARE_MPI=0|1`` overrides; else MPICH's and Open MPI's
+    """(is CUDA-aware, reason). ``DDL_CUDA_AWARE_MPI`` on or off (1, 0, ...) overrides; else MPICH's and Open MPI's
     ``MPIX_Query_cuda_support()`` (MPICH answers 1 only when built with CUDA *and* GPU support is
     enabled, ``MPIR_CVAR_ENABLE_GPU``). When nothing can tell, False: ddl then stages through host
     memory, which is always correct."""
-    env = os.environ.get("DDL_CUDA_AWARE_MPI", "").strip()
-    if env in ("0", "1"):
-        return env == "1", f"DDL_CUDA_AWARE_MPI={env}"
+    told = env_flag("DDL_CUDA_AWARE_MPI", None)
+    if told is not None:
+        return told, f"DDL_CUDA_AWARE_MPI={os.environ['DDL_CUDA_AWARE_MPI'].strip()}"
     if os.environ.get("MPIR_CVAR_ENABLE_GPU", "").strip() == "0":
         return False, "MPIR_CVAR_ENABLE_GPU=0 (MPICH's GPU support is disabled)"
     fn = _mpi_function("MPIX_Query_cuda_support")
