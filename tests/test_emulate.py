@@ -308,6 +308,25 @@ def test_rates_below_what_tc_can_shape_are_refused():
     assert netns.shaped_bits(plan.hosts[0].rate_out, plan.mtu) >= netns.MIN_SHAPED_BITS
 
 
+def test_a_cluster_that_is_up_is_used_only_with_the_links_it_was_built_with():
+    topo = small("same-links")
+    built = plan_network(topo, "ddl-1", scale=0.5)
+    netns._check_same_links(built, topo, 0.5, netns.MTU)              # the same: used
+    with pytest.raises(Error, match=r"is up, built with --scale 0\.5, not the 1 asked for;"):
+        netns._check_same_links(built, topo, 1.0, netns.MTU)
+    with pytest.raises(Error, match="built with --mtu 1500, not the 9000 asked for"):
+        netns._check_same_links(built, topo, 0.5, 9000)
+    other = small("same-links", rate=100 * MBIT)        # the file was edited since: one rate changed
+    nodes = [(v, other.kind(v)) for v in other.nodes]
+    links = [{"a": "n0", "b": "sw", "bandwidth": 300 * MBIT}] + \
+            [{"a": a, "b": b, "bandwidth": 100 * MBIT if "sw" in (a, b) else 5e9}
+             for a, b in other.graph.edges if {a, b} != {"n0", "sw"}]
+    edited = Topology("same-links", nodes, links, list(other.ranks))
+    with pytest.raises(Error, match="other hosts, switches, ranks or rates than the file has now.*"
+                                    "ddl emulate down same-links"):
+        netns._check_same_links(built, edited, 0.5, netns.MTU)
+
+
 def test_state_folders_of_different_names_differ():
     """Sanitising a name for a path maps several names to one folder; ``down`` of one would then take
     down the other. Each name gets its own folder, one path component under the state root."""
@@ -320,6 +339,8 @@ def test_state_folders_of_different_names_differ():
 
 class _FakeCluster:
     """Stands in for a built cluster: `ddl emulate run`'s argument handling is tested without root."""
+
+    borrowed = False
 
     def __init__(self, record, scale, mtu):
         record.update(scale=scale, mtu=mtu, built=True)
@@ -337,7 +358,7 @@ def fake_run(monkeypatch):
     from ddl.cli import emulate as cli
     record = {}
     monkeypatch.setattr(netns.Cluster, "create",
-                        classmethod(lambda cls, topo, scale=1.0, mtu=1500: _FakeCluster(record, scale, mtu)))
+                        classmethod(lambda cls, topo, scale=1.0, mtu=1500, reuse=False: _FakeCluster(record, scale, mtu)))
     monkeypatch.setattr(cli, "_check", lambda *a: record.update(checked=True))
     monkeypatch.setattr(launch, "find_hydra", lambda: "mpiexec")
 
@@ -798,6 +819,40 @@ def test_a_second_up_of_a_cluster_being_built_is_refused(tmp_path):
         assert set(netns.list_namespaces()) == before and not state.exists()
     finally:
         holder.close()
+        _clean(name, state)
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_run_uses_a_cluster_left_up_and_leaves_it_up(tmp_path):
+    """``up`` then ``run``: the job runs on the cluster that is up, which stays up for the next; a run
+    asking for other links is refused; ``down`` then removes it."""
+    name, path, state = _cluster_file(tmp_path, "reuse", per_host=1)
+    before = set(netns.list_namespaces())
+
+    def ddl(*args):
+        return subprocess.run([sys.executable, "-m", "ddl", "emulate", *args], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=90)
+    try:
+        up = ddl("up", "--no-check", path)
+        assert up.returncode == 0, up.stderr
+        assert f"ddl emulate run {path} -- CMD" in up.stdout
+        tag = _recorded_tag(state)
+        for _ in range(2):
+            res = ddl("run", path, "--no-check", "--timeout", "60", "--", "hostname")
+            assert res.returncode == 0, res.stderr
+            assert sorted(res.stdout.split()) == ["n0", "n1"]
+            assert f"cluster {name!r} is already up ({tag}): running on it and leaving it up" in res.stderr
+            assert _recorded_tag(state) == tag and len(_leftovers(tag, state)[0]) == 3
+        other = ddl("run", path, "--no-check", "--scale", "0.5", "--", "hostname")
+        assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+        assert "is up, built with --scale 1, not the 0.5 asked for" in other.stderr
+        again = ddl("up", "--no-check", path)
+        assert again.returncode == 2 and "`ddl emulate run` and `ddl bench --emulate` use it" in again.stderr
+        down = ddl("down", path)
+        assert down.returncode == 0, down.stderr
+        assert set(netns.list_namespaces()) == before and not state.exists()
+    finally:
         _clean(name, state)
 
 

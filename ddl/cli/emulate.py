@@ -5,7 +5,8 @@
 * ``ddl emulate down FILE`` (or the cluster's name) ends its processes and removes it;
 * ``ddl emulate run FILE [--no-check] -- CMD...`` builds, checks, runs CMD under ``mpiexec`` with ranks
   placed as the file's ``ranks`` say, and always tears down: on success, error, Ctrl-C, SIGTERM or
-  SIGHUP. The exit status is CMD's (128 + N when ended by signal N).
+  SIGHUP. The exit status is CMD's (128 + N when ended by signal N). On a cluster that ``up`` left up
+  it runs CMD there and leaves the cluster up (holding it meanwhile, so ``down`` waits its turn).
 
 Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and MPICH (the mpich wheel). Links faster
 than this machine can push (tens of Gbit/s) cannot be emulated as such: ``--scale 0.001`` shrinks every
@@ -51,7 +52,8 @@ def register(subparsers):
                        usage="%(prog)s [OPTIONS] FILE [OPTIONS] [--] CMD...",
                        description="Build the cluster of FILE, check its link rates, run CMD on every "
                                    "rank under mpiexec (rank i on the host of ranks[i]), then tear the "
-                                   "cluster down whatever happens. Exit status: CMD's (128 + N if ended "
+                                   "cluster down whatever happens. A cluster that `ddl emulate up` left up "
+                                   "is used as it is and left up. Exit status: CMD's (128 + N if ended "
                                    "by signal N). CMD sees DDL_TOPOLOGY (the file) and DDL_EMULATED_HOSTS.",
                        epilog="The options above may also follow FILE: they are read up to `--` or to "
                               "the first word that is not one of them, and CMD is the rest, so in "
@@ -125,6 +127,8 @@ def cmd_up(args):
     job = launch.mpiexec_argv(cluster, ["CMD"], launch.rank_hosts(topo),
                               env={"DDL_TOPOLOGY": os.path.abspath(args.file)})
     print(f"run an MPI job on it (ranks placed as the file says; CMD: your program and its arguments):\n"
+          f"  ddl emulate run {shlex.quote(args.file)} -- CMD\n"
+          f"or with mpiexec itself:\n"
           f"  {shlex.join(job)}")
     print(f"cluster {topo.name!r} is up; remove it with: ddl emulate down {args.file}")
     return 0
@@ -165,7 +169,10 @@ def cmd_run(args):
     _refuse_launcher_options(cmd)
     topo = _load(args.file)
     launch.find_hydra()
-    with Cluster.create(topo, scale=args.scale, mtu=args.mtu) as cluster:
+    with Cluster.create(topo, scale=args.scale, mtu=args.mtu, reuse=True) as cluster:
+        if cluster.borrowed:
+            print(f"ddl emulate: cluster {topo.name!r} is already up ({cluster.plan.tag}): running on it "
+                  f"and leaving it up (remove it with: ddl emulate down {args.file})", file=sys.stderr)
         if not args.no_check:
             _check(cluster, topo, sys.stderr)
         env = {"DDL_TOPOLOGY": os.path.abspath(args.file)}

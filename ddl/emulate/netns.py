@@ -443,23 +443,37 @@ class Cluster:
 
     ``Cluster.create(topo)`` plans and builds; ``Cluster.load(name)`` finds one built earlier (e.g. by
     ``ddl emulate up``) from its state file. ``down()`` is idempotent and tolerates half-built clusters.
+    A cluster that ``create(..., reuse=True)`` found already up is *borrowed*: leaving the ``with``
+    block lets go of its lock and leaves it up for whoever built it.
     """
 
-    def __init__(self, plan, state_dir, lock=None):
+    def __init__(self, plan, state_dir, lock=None, borrowed=False):
         self.plan = plan
         self.state_dir = Path(state_dir)
         self._lock = lock           # open file descriptor of the held state lock (see lock_state)
+        self.borrowed = borrowed
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
-    def create(cls, topo, state_dir=None, scale=1.0, mtu=MTU):
-        """Plan (refusing topologies it cannot emulate before touching the system), then build."""
+    def create(cls, topo, state_dir=None, scale=1.0, mtu=MTU, reuse=False):
+        """Plan (refusing topologies it cannot emulate before touching the system), then build.
+
+        With ``reuse``, a cluster of the same name that is already up (``ddl emulate up``) is borrowed
+        instead, if its links are the ones ``topo``, ``scale`` and ``mtu`` ask for; without, it is
+        refused. Either way the caller holds the cluster's lock, so nobody takes it down meanwhile."""
         plan_network(topo, "ddl", scale, mtu)
         check_can_emulate()
         state_dir = Path(state_dir) if state_dir else state_dir_for(topo.name)
         lock = lock_state(state_dir, topo.name)
         try:
-            refuse_if_up(state_dir, topo.name)
+            old = live_cluster(state_dir)
+            if old is not None and reuse:
+                _check_same_links(old.plan, topo, scale, mtu)
+                return cls(old.plan, state_dir, lock, borrowed=True)
+            if old is not None:
+                raise Error(f"an emulated cluster {topo.name!r} is already up ({old.plan.tag}"
+                            f"{_builder_state(old.plan.tag)}); `ddl emulate run` and `ddl bench --emulate` "
+                            f"use it as it is, or take it down first with `ddl emulate down {topo.name}`")
             cluster = cls(plan_network(topo, new_tag(), scale, mtu), state_dir, lock)
         except BaseException:
             _release(state_dir, lock)
@@ -555,8 +569,17 @@ class Cluster:
         return self
 
     def __exit__(self, *exc):
-        self.down()
+        if self.borrowed:
+            self.release()
+        else:
+            self.down()
         return False
+
+    def release(self):
+        """Let go of the cluster's lock and leave it up (for a borrowed one: as its builder left it)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     # -- teardown ---------------------------------------------------------------------------------
     def down(self):
@@ -659,19 +682,59 @@ def _builder_state(tag):
     return f", left up by process {pid}, no longer running: `ddl emulate up`, or a run that was killed"
 
 
-def refuse_if_up(state_dir, name):
-    """Refuse to build over a live cluster of the same name; clean a stale record whose namespaces died.
+def live_cluster(state_dir):
+    """The cluster recorded in ``state_dir`` if its namespaces are up, else None, after cleaning a
+    stale record whose namespaces died (a reboot, or someone's `ip netns del`).
 
     The caller holds the state lock, so the stale record's teardown leaves the lock file in place.
     """
     if not (Path(state_dir) / "state.json").exists():
-        return
+        return None
     old = Cluster.load(state_dir)
-    if set(old.plan.namespaces) & set(list_namespaces()):
-        raise Error(f"an emulated cluster {name!r} is already up ({old.plan.tag}{_builder_state(old.plan.tag)}); "
-                    f"take it down first with `ddl emulate down {name}`")
+    live = set(list_namespaces())
+    if set(old.plan.namespaces) <= live:
+        return old
+    if set(old.plan.namespaces) & live:
+        raise Error(f"emulated cluster {old.plan.name!r} ({old.plan.tag}) is up in part only (namespaces "
+                    f"{', '.join(sorted(set(old.plan.namespaces) - live))} are gone); take it down with "
+                    f"`ddl emulate down {old.plan.name}`")
     with _signals_deferred():
         old._down()
+    return None
+
+
+def _check_same_links(plan, topo, scale, mtu):
+    """Refuse to run on a cluster that is up with links other than those asked for: measurements would
+    be of another network than the file (and the --scale) the caller believes it measures."""
+    wanted = plan_network(topo, plan.tag, scale, mtu)
+    if wanted.to_dict() == plan.to_dict():
+        return
+    if plan.mtu != wanted.mtu:
+        why = f"--mtu {plan.mtu}, not the {wanted.mtu} asked for"
+    elif (ratio := _uniform_ratio(plan, wanted)) is not None:
+        why = f"--scale {ratio * scale:.6g}, not the {scale:g} asked for"
+    else:
+        why = "other hosts, switches, ranks or rates than the file has now"
+    raise Error(f"emulated cluster {topo.name!r} is up, built with {why}; run with the options it was "
+                f"built with, or take it down first with `ddl emulate down {topo.name}`")
+
+
+def _uniform_ratio(built, wanted):
+    """The one factor between the rates of two plans of the same network, or None if they differ
+    otherwise."""
+    def rates(p):
+        return [r for h in p.hosts for r in (h.rate_out, h.rate_in)] + \
+               [r for u in p.uplinks for r in (u.rate_ab, u.rate_ba)]
+
+    def without_rates(p):
+        return replace(p, hosts=tuple(replace(h, rate_out=0.0, rate_in=0.0) for h in p.hosts),
+                       uplinks=tuple(replace(u, rate_ab=0.0, rate_ba=0.0) for u in p.uplinks))
+
+    pairs = list(zip(rates(built), rates(wanted)))
+    if without_rates(built) != without_rates(wanted) or not pairs or any(w <= 0 for _, w in pairs):
+        return None
+    ratios = [b / w for b, w in pairs]
+    return ratios[0] if all(math.isclose(r, ratios[0], rel_tol=1e-9) for r in ratios) else None
 
 
 DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
