@@ -507,6 +507,31 @@ def test_sigint_to_mpiexec_ends_the_whole_job_at_once(env):
             assert status == 130 and "ddl: interrupted" in err, (status, err)
 
 
+@needs_mpi
+def test_ctrl_c_to_a_bench_that_launched_its_ranks_says_interrupted_once(env):
+    """Ctrl-C in a terminal reaches the whole foreground process group: ``ddl bench``, the mpiexec it
+    launched and the ranks. The job ends with 130, and ddl says so once (the rank that ended the job
+    used to say it too), last."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "ddl", "bench", "--nranks", "2", "--bytes", "4MiB",
+                             "--iters", "20000", "--peers", "mpi", "--no-progress"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert _wait_for_output(proc.stdout, b"(elements)", 60), "the table never started"
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        status = proc.wait(timeout=30)
+    except (subprocess.TimeoutExpired, AssertionError) as exc:
+        _kill_job(proc)
+        pytest.fail(f"{exc or 'the job did not end within 30 s of Ctrl-C'}: {proc.stderr.read()[-2000:]!r}")
+    err = proc.stderr.read().decode()
+    proc.stdout.close()
+    proc.stderr.close()
+    assert status == 130, (status, err)
+    assert err.count("ddl: interrupted") == 1 and err.rstrip().endswith("ddl: interrupted"), err
+
+
 def test_an_aborting_rank_waits_until_the_launcher_has_read_its_last_line(tmp_path):
     """MPI_Abort makes mpiexec kill the job at once: a last line still in the rank's stderr pipe would
     be lost, leaving a status and no reason. The rank waits for the pipe to be read, boundedly."""

@@ -912,6 +912,7 @@ def test_sigterm_to_bench_emulate_tears_the_cluster_down(tmp_path):
         bench.send_signal(signal.SIGTERM)
         status = bench.wait(timeout=90)
         assert status == 143, (status, err.read_text()[-2000:])
+        assert err.read_text().count("ddl: interrupted") == 1, err.read_text()     # the bench's, not its child's
         assert _leftovers(tag, state) == ([], False)
     finally:
         bench.kill()

@@ -9,6 +9,7 @@ exit status 2; a traceback is shown only for bugs. Output piped into a reader th
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from .. import __version__
@@ -67,6 +68,28 @@ class _Parser(argparse.ArgumentParser):
         return namespace, extra
 
 
+INTERRUPT_SAID_OUTSIDE = "DDL_INTERRUPT_SAID_OUTSIDE"
+"""Set by a ddl command in the environment of the ddl processes it launches (``ddl bench`` for
+``ddl emulate run`` or mpiexec, ``ddl emulate run`` for its job's ranks). A Ctrl-C reaches every one
+of them; the command the user typed says ``ddl: interrupted`` once, after they have ended, and they
+say nothing of it."""
+
+
+def say_interrupted(how="interrupted"):
+    """``ddl: interrupted`` on stderr, unless a ddl command that launched this one will say it."""
+    if not os.environ.get(INTERRUPT_SAID_OUTSIDE):
+        print(f"ddl: {how}", file=sys.stderr, flush=True)
+
+
+def say_if_interrupted(status):
+    """Say what an exit status of 128 + N tells when N is Ctrl-C's SIGINT, SIGTERM or SIGHUP: for a
+    command whose launched job said nothing of it (:data:`INTERRUPT_SAID_OUTSIDE`)."""
+    if status == 128 + signal.SIGINT:
+        say_interrupted()
+    elif status - 128 in (signal.SIGTERM, signal.SIGHUP):
+        say_interrupted(f"interrupted by {signal.Signals(status - 128).name}")
+
+
 def build_parser():
     parser = _Parser(prog="ddl", description="Topology-aware collective communication.")
     parser.add_argument("--version", action="version", version=f"ddl {__version__}")
@@ -86,7 +109,7 @@ def main(argv=None):
     try:
         parser = build_parser()        # (imports every command's module: Ctrl-C may land in it)
     except KeyboardInterrupt:
-        print("ddl: interrupted", file=sys.stderr)
+        say_interrupted()
         return 130
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
@@ -104,7 +127,7 @@ def main(argv=None):
         print(f"ddl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("ddl: interrupted", file=sys.stderr)
+        say_interrupted()
         return 130
     except BrokenPipeError:
         # The reader has gone: point stdout at /dev/null so that the interpreter's final flush does

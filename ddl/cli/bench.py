@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from ..errors import Error
+from . import INTERRUPT_SAID_OUTSIDE, say_if_interrupted
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -191,8 +192,8 @@ def _ranks_to_launch(args, file):
 def _abort(world, exc):
     """Say ``exc`` in one line (a traceback for a bug), then MPI_Abort every rank of ``world``: with
     status 130 for an interrupt (as a shell reports SIGINT), 2 for a user error, 1 for a bug."""
-    if isinstance(exc, KeyboardInterrupt):
-        text, status = "ddl: interrupted", 130
+    if isinstance(exc, KeyboardInterrupt):       # said by the ddl command that launched the job, if one did
+        text, status = None if os.environ.get(INTERRUPT_SAID_OUTSIDE) else "ddl: interrupted", 130
     elif isinstance(exc, Error):
         text, status = f"ddl: error: {exc}", 2
     else:
@@ -265,20 +266,21 @@ def _child(cmd):
     cluster up, one killed while tearing down leaves half of it. SIGTERM and SIGHUP are passed on to it,
     Ctrl-C (which the terminal sends it too) is followed by SIGTERM; either way it gets CHILD_GRACE
     seconds before it is killed, and this process then ends as the signal says (143 for SIGTERM).
+    The job's ddl processes say nothing of an interrupt: this one says it, once, after they ended.
     """
     from ..emulate.launch import stop
     from .emulate import signals_as_interrupt
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, INTERRUPT_SAID_OUTSIDE: "1"})
     caught = signals_as_interrupt()
     try:
         with caught:
             status = proc.wait()
-        return 128 - status if status < 0 else status   # killed by signal N: 128 + N, as a shell says
+        status = 128 - status if status < 0 else status   # killed by signal N: 128 + N, as a shell says
     except KeyboardInterrupt:
         if not stop(proc, caught.signum or signal.SIGTERM, CHILD_GRACE):
             print(f"ddl bench: the launched job did not end {CHILD_GRACE:.0f} s after the signal and was "
                   "killed (an emulated cluster may be left up: remove it with `ddl emulate down FILE`)",
                   file=sys.stderr, flush=True)
-        if caught.signum is None:
-            raise
-        return 128 + caught.signum
+        status = 128 + (caught.signum or signal.SIGINT)
+    say_if_interrupted(status)          # the job's processes leave that to this one
+    return status

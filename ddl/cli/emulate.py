@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import Error
 from ..units import format_bandwidth
+from . import INTERRUPT_SAID_OUTSIDE, say_interrupted
 
 
 def register(subparsers):
@@ -107,7 +108,7 @@ def _ending_on_signals(command):
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, *signals_as_interrupt.SIGNALS):
                 signal.signal(s, signal.SIG_IGN)
-        print(f"ddl: interrupted by {signal.Signals(caught.signum).name}", file=sys.stderr)
+        say_interrupted(f"interrupted by {signal.Signals(caught.signum).name}")
         return 128 + caught.signum
     return run
 
@@ -175,7 +176,7 @@ def cmd_run(args):
                   f"and leaving it up (remove it with: ddl emulate down {args.file})", file=sys.stderr)
         if not args.no_check:
             _check(cluster, topo, sys.stderr)
-        env = {"DDL_TOPOLOGY": os.path.abspath(args.file)}
+        env = {"DDL_TOPOLOGY": os.path.abspath(args.file), INTERRUPT_SAID_OUTSIDE: "1"}
         try:
             res = launch.run(cluster, cmd, launch.rank_hosts(topo), env=env, timeout=args.timeout)
         except launch.JobTimedOut as exc:

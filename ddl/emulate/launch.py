@@ -193,16 +193,17 @@ def stop(proc, signum=signal.SIGTERM, grace=None):
 
 
 def abort_job(comm, line, status):
-    """Say ``line`` on stderr, then MPI_Abort the job of ``comm`` with ``status``: for a rank that must
+    """Say ``line`` on stderr (None: nothing), then MPI_Abort the job of ``comm`` with ``status``: for a rank that must
     end a job whose other ranks may be waiting for it inside an MPI call.
 
     The line is written in one piece (lines of ranks aborting together stay whole), and the rank waits
     until the launcher has read it: MPI_Abort makes mpiexec kill the job at once, and a line still in
     the pipe would be lost, ending the job with a status and no word why.
     """
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-    _wait_until_read(sys.stderr)
+    if line:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        _wait_until_read(sys.stderr)
     comm.Abort(status)
 
 
