@@ -76,7 +76,7 @@ Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement bo
   naps 20-200 us. A spinning MPI is what makes 8 ranks on 2 cores slow under any competing load.
 
 Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``DDL_IDLE_SLEEP_AFTER_LARGE``,
-``DDL_IDLE_NAP``, ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL=auto|0|1``, ``DDL_TIMERSLACK=0`` (or off, no,
+``DDL_IDLE_NAP``, ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL`` (auto, on or off), ``DDL_TIMERSLACK=0`` (or off, no,
 false), ``DDL_EARLY_LIMIT``, ``DDL_LARGE_MESSAGE``).
 """
 import math
@@ -91,7 +91,7 @@ from .buffer_layout import RECV as RECV_BUFFER, SEND as SEND_BUFFER, WORK, chunk
 from .errors import Error, StallError
 from .ops import reduce_quietly
 from .schedule import RECV, SEND
-from .settings import env_flag, env_float, env_int
+from .settings import env_auto_flag, env_flag, env_float, env_int
 
 # compiled op codes
 C_SEND, C_RECV_DIRECT, C_RECV_SCRATCH, C_RECV_LATE, C_REDUCE_EARLY, C_REDUCE_LATE = range(6)
@@ -503,9 +503,9 @@ class Engine:
         self.spin, self.sleep_after, self.sleep_after_large, self.nap, self.nap_max = idle_policy(oversubscribed)
         if oversubscribed and env_flag("DDL_TIMERSLACK", True):
             _tight_timer_slack()
-        use_bell = os.environ.get("DDL_DOORBELL", "auto")
+        use_bell = env_auto_flag("DDL_DOORBELL")
         self.bell = None
-        if board is not None and Doorbell.supported() and (use_bell == "1" or (use_bell == "auto" and oversubscribed)):
+        if board is not None and Doorbell.supported() and (oversubscribed if use_bell is None else use_bell):
             self.bell = Doorbell(board, self.rank)
         self._large = 0  # in-flight collectives with multi-handshake (large) messages: no doorbell sleep
         self.scratch = ScratchPool(scratch_bytes)

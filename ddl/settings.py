@@ -42,3 +42,15 @@ def env_flag(name, default):
         return False
     raise Error(f"environment variable {name}={value!r} is neither on ({', '.join(_TRUE)}) nor off "
                 f"({', '.join(_FALSE)})")
+
+
+def env_auto_flag(name):
+    """``auto`` (or unset, or empty): None, for the caller to decide; else on or off as :func:`env_flag`."""
+    value = os.environ.get(name, "").strip()
+    if value.lower() in ("", "auto"):
+        return None
+    try:
+        return env_flag(name, None)
+    except Error:
+        raise Error(f"environment variable {name}={value!r} is neither auto, on ({', '.join(_TRUE)}) nor "
+                    f"off ({', '.join(_FALSE)})") from None

@@ -333,6 +333,17 @@ def test_on_off_settings_take_the_usual_words_and_refuse_others(monkeypatch):
         Planner(flat_topology(2))
 
 
+def test_the_doorbell_setting_is_auto_on_or_off(monkeypatch):
+    from ddl.settings import env_auto_flag
+    for word, meaning in (("", None), ("auto", None), (" AUTO", None), ("1", True), ("on", True), ("0", False),
+                          ("off", False)):
+        monkeypatch.setenv("DDL_DOORBELL", word)
+        assert env_auto_flag("DDL_DOORBELL") is meaning, word
+    monkeypatch.setenv("DDL_DOORBELL", "2")                  # (it was taken for off)
+    with pytest.raises(ddl.Error, match=r"DDL_DOORBELL='2' is neither auto, on \(1, true, yes, on\) nor off"):
+        env_auto_flag("DDL_DOORBELL")
+
+
 def test_a_span_whose_chunks_take_different_operand_orders_is_reduced_chunk_by_chunk():
     """Rank 1 ships a span of two chunks to rank 2: chunk 0 holds x0 op x1 (rank 0's contribution:
     it goes first at rank 2), chunk 1 only x1, while rank 2's own chunk 1 already holds x0 op x2 (so

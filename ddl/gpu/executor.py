@@ -485,6 +485,7 @@ class NcclExecutor:
         self.requested_path = (path or os.environ.get("DDL_GPU_PATH", "auto") or "auto").strip().lower()
         if self.requested_path not in PATHS + ("auto",):
             raise Error(f"DDL_GPU_PATH / path must be auto, {', '.join(PATHS)}; got {self.requested_path!r}")
+        self.verbose = env_flag("DDL_GPU_VERBOSE", False)     # rank 0 says which path it took
         self.path = None          # decided on first use (collectively)
         self.path_reason = ""
         self.last_path = None
@@ -585,7 +586,7 @@ class NcclExecutor:
         self.path_reason = "; ".join(reasons)
         msg = f"ddl.gpu: rank {self.rank}/{self.size} runs device collectives on the {path} path ({self.path_reason})"
         log.info(msg)
-        if os.environ.get("DDL_GPU_VERBOSE") and self.rank == 0:
+        if self.verbose and self.rank == 0:
             sys.stderr.write(msg + "\n")
         return path
 
