@@ -477,6 +477,27 @@ def _wait_for_output(stream, marker, seconds):
     return marker in seen
 
 
+def _interrupted_in_its_table(argv, env, signal_it, limit):
+    """Start ``argv``, wait until its table has started and a second more, ``signal_it(proc)``; return
+    its exit status and stderr once it ended (failing the test if it did not within ``limit`` s)."""
+    import time
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert _wait_for_output(proc.stdout, b"(elements)", 60), "the table never started"
+        time.sleep(1)                                    # into the timed iterations
+        signal_it(proc)
+        status = proc.wait(timeout=limit)
+    except (subprocess.TimeoutExpired, AssertionError) as exc:
+        _kill_job(proc)
+        pytest.fail(f"{exc or f'the job did not end within {limit} s of the signal'}: "
+                    f"{proc.stderr.read()[-2000:]!r}")
+    err = proc.stderr.read().decode()
+    proc.stdout.close()
+    proc.stderr.close()
+    return status, err
+
+
 @needs_mpi
 def test_sigint_to_mpiexec_ends_the_whole_job_at_once(env):
     """``kill -INT`` of mpiexec (a job script's way to stop a job): MPICH's mpiexec passes SIGINT on to
@@ -484,23 +505,11 @@ def test_sigint_to_mpiexec_ends_the_whole_job_at_once(env):
     collective. The ranks sit in different places each time, so a few rounds. (Open MPI's kills the
     ranks itself: the job must still end at once.)"""
     import signal
-    import time
     peers = "mpi,gloo" if not torch_problem_here() else "mpi"
     for _round in range(4):
-        proc = subprocess.Popen([*mpi_command(2), sys.executable, "-m", "ddl", "bench", "--bytes", "4MiB",
-                                 "--iters", "20000", "--peers", peers, "--no-progress"],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            assert _wait_for_output(proc.stdout, b"(elements)", 60), "the table never started"
-            time.sleep(1)                                    # into the timed iterations
-            proc.send_signal(signal.SIGINT)
-            status = proc.wait(timeout=10)
-        except (subprocess.TimeoutExpired, AssertionError) as exc:
-            _kill_job(proc)
-            pytest.fail(f"{exc or 'the job did not end within 10 s of SIGINT'}: {proc.stderr.read()[-2000:]!r}")
-        err = proc.stderr.read().decode()
-        proc.stdout.close()
-        proc.stderr.close()
+        status, err = _interrupted_in_its_table(
+            [*mpi_command(2), sys.executable, "-m", "ddl", "bench", "--bytes", "4MiB", "--iters", "20000",
+             "--peers", peers, "--no-progress"], env, lambda proc: proc.send_signal(signal.SIGINT), 10)
         if flavor(MPIEXEC) == OPEN_MPI:      # it does not pass SIGINT on but kills the ranks: ended, silently
             assert status != 0, (status, err)
         else:
@@ -513,21 +522,9 @@ def test_ctrl_c_to_a_bench_that_launched_its_ranks_says_interrupted_once(env):
     launched and the ranks. The job ends with 130, and ddl says so once (the rank that ended the job
     used to say it too), last."""
     import signal
-    import time
-    proc = subprocess.Popen([sys.executable, "-m", "ddl", "bench", "--nranks", "2", "--bytes", "4MiB",
-                             "--iters", "20000", "--peers", "mpi", "--no-progress"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        assert _wait_for_output(proc.stdout, b"(elements)", 60), "the table never started"
-        time.sleep(1)
-        os.killpg(proc.pid, signal.SIGINT)
-        status = proc.wait(timeout=30)
-    except (subprocess.TimeoutExpired, AssertionError) as exc:
-        _kill_job(proc)
-        pytest.fail(f"{exc or 'the job did not end within 30 s of Ctrl-C'}: {proc.stderr.read()[-2000:]!r}")
-    err = proc.stderr.read().decode()
-    proc.stdout.close()
-    proc.stderr.close()
+    status, err = _interrupted_in_its_table(
+        [sys.executable, "-m", "ddl", "bench", "--nranks", "2", "--bytes", "4MiB", "--iters", "20000",
+         "--peers", "mpi", "--no-progress"], env, lambda proc: os.killpg(proc.pid, signal.SIGINT), 30)
     assert status == 130, (status, err)
     assert err.count("ddl: interrupted") == 1 and err.rstrip().endswith("ddl: interrupted"), err
 
