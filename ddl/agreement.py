@@ -54,8 +54,8 @@ import numpy as np
 
 from .errors import MismatchError
 
-COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5}
-COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier"}
+COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5, "free": 6}
+COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier", 6: "Free"}
 REFUSED = 16   # collective code + REFUSED: a call whose arguments its rank refused (see refusal)
 GROUPED = 32   # collective code + GROUPED: the arrays of a grouped call (see grouped)
 GAVE_UP = 64   # the collective code of a board row whose rank gave up on it (see ShmBoard.give_up)
@@ -230,7 +230,7 @@ def describe(vec, several=False):
         return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in {ndtypes} "
                 f"dtype{'s' if ndtypes != 1 else ''} ({op_from_code(vec[_OP]).name})")
     name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
-    if int(vec[_COLL]) == COLLECTIVE_CODES["barrier"]:
+    if int(vec[_COLL]) in (COLLECTIVE_CODES["barrier"], COLLECTIVE_CODES["free"]):
         return name
     text = f"{name} with {int(vec[_COUNT])} {_dtype_name(vec[_DT0], vec[_DT1])}"
     extras = []

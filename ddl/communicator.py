@@ -579,9 +579,17 @@ class Communicator:
 
     def _announce_refusal(self, collective, exc):
         """Enter this rank's refusal of a ``collective`` call (``exc``) in the agreement and wait for it
-        (check="always" only: in the other modes the others may not check this call at all). The
-        outcome is added to ``exc`` as a note when the other ranks did not all refuse it too."""
-        if self.size == 1 or self.check != "always" or self._freed or self._engine.broken is not None:
+        (check="always"). The outcome is added to ``exc`` as a note when the other ranks did not all
+        refuse it too. In the other modes the others may not check this call at all, so the refusal
+        just uses up the call's sequence number: the ranks that called correctly then fail in that call
+        (StallError, or MismatchError where they check it) instead of pairing it with this rank's next
+        call and computing with another call's data (they did, without a word)."""
+        if self.size == 1 or self._freed or self._engine.broken is not None:
+            return
+        if self.check != "always":
+            self._seq += 1
+            exc.add_note(f"ddl: check={self.check!r}: the other ranks were not told; their ddl collective "
+                         f"#{self._seq - 1} fails (StallError, or MismatchError where they check it)")
             return
         seq = self._seq
         try:
@@ -856,21 +864,43 @@ class Communicator:
     # ---- lifetime ------------------------------------------------------------------------------
     @_one_thread
     def Free(self):
-        """Complete in-flight collectives and free the private communicators (collective)."""
+        """Complete in-flight collectives and free the private communicators (collective).
+
+        MPI's frees of a shared window or communicator wait for every rank, for ever. So the ranks
+        first meet in a barrier under the stall watchdog: when a peer will not come (it gave up on an
+        earlier collective, or skipped one and left), this rank raises the StallError that names it
+        instead of hanging, and the collective frees are skipped (their memory goes with the process).
+        A communicator that already failed is let go of the same way, at once."""
         if self._freed:
             return
-        for ex in list(self._engine.inflight.values()):
-            self._engine.wait(ex)
+        try:
+            for ex in list(self._engine.inflight.values()):
+                self._engine.wait(ex)
+            if self._engine.broken is None and self.size > 1:
+                key = ("free",)
+                sig = self._plans.get(key) or self._plans.setdefault(
+                    key, Signature("free", 0, None, None, 0, 0, self._topology_digest, self.check))
+                self._engine.wait(self._agreement_only(sig, "Free()"))
+        except BaseException:
+            self._let_go()
+            raise
+        if self._engine.broken is not None:
+            self._let_go()
+            return
         if self._device is not None:
             self._device.Free()
-        self._freed = True
-        self._engine.close()
-        self._plans.clear()
-        self._args.clear()
+        self._let_go()
         if self._board is not None:
             self._board.free()
         self._pcomm.Free()
         self._gcomm.Free()
+
+    def _let_go(self):
+        """This rank's part of freeing, which needs no other rank: refuse further calls, drop plans."""
+        self._freed = True
+        self._engine.close()
+        self._plans.clear()
+        self._args.clear()
 
     def __enter__(self):
         return self
@@ -880,8 +910,7 @@ class Communicator:
             self.Free()
         else:
             # Freeing is collective; after an error the other ranks may not get here: do not hang.
-            self._freed = True
-            self._engine.close()
+            self._let_go()
         return False
 
     def __repr__(self):

@@ -510,6 +510,27 @@ for mode in ("new", "off"):
             chk.fail(f"check=new: retrying the corrected call after a mismatch raised {type(exc).__name__}: {exc}")
         chk.ok(np.all(v == p), f"check=new: the corrected call after a mismatch: {v}")
     c3.Free()
+    # An argument error on one rank is not announced in these modes, but it uses up the call's number:
+    # the others' call fails, and so does the refusing rank's next (the others' call took that one for
+    # its partner, and returned a sum of two different calls without a word).
+    c4 = ddl.Communicator(WORLD, check=mode, stall_timeout=1.5)
+    c4.Allreduce(ddl.IN_PLACE, np.ones(7))                 # "new": a seen signature, unchecked from here on
+    if r == last:
+        try:
+            c4.Allreduce(ddl.IN_PLACE, np.ones(14)[::2])
+            chk.fail(f"check={mode}: a non-contiguous recvbuf was taken")
+        except ddl.Error as exc:
+            notes = " ".join(getattr(exc, "__notes__", []))
+            chk.ok("not contiguous" in str(exc) and "the other ranks were not told" in notes,
+                   f"check={mode}: the refusing rank's error: {exc} {notes}")
+    try:
+        c4.Allreduce(ddl.IN_PLACE, np.ones(7))             # the others' call #1, the refusing rank's #2
+        chk.fail(f"check={mode}: the call after a refusal on rank {last} returned without an error")
+    except (ddl.StallError, ddl.MismatchError):
+        pass
+    except Exception as exc:
+        chk.fail(f"check={mode}: the call after a refusal on rank {last}: {type(exc).__name__}: {exc}")
+    c4.Free()
 expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check must be one of", label="bad check")
 os.environ["DDL_CHECK"] = "bogus"
 expect(ddl.Error, lambda: ddl.Communicator(WORLD), "environment variable DDL_CHECK must be one of always, new, off, "

@@ -10,6 +10,8 @@ In scenarios 1 and 3 the last rank arrives after the others gave up: it raises S
 (on the shared-memory board it once agreed with the rows they had abandoned, and computed a result alone).
 Scenario 4 (a local failure): a reduction raises on the last rank (simulated): that error is its call's,
 its communicator refuses further calls, and the others' StallError says it failed in it.
+Scenarios 5 and 6 (Free): the last rank frees where the others call Allreduce, or frees after they
+gave up on it; see :func:`freeing`.
 Every rank prints one line per scenario: ``STALL<k> rank <r>: <message>`` (or ``NOSTALL<k>``).
 """
 import os
@@ -87,10 +89,32 @@ def failing_reduction(comm, buf):
         print(f"REFUSED4 rank {RANK} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
 
 
+def freeing(k, last_sleeps):
+    """Free is collective: the last rank calls it where the others call Allreduce (scenario 5), or only
+    after sleeping past the stall timeout that ended the others' Allreduce (scenario 6). No rank may hang
+    in MPI's frees (the last one once did, for ever): each says what it got."""
+    comm = ddl.Communicator(WORLD, stall_warning=WARN, stall_timeout=TIMEOUT)
+    for what, call in (("call", lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(64, np.float32))), ("free", comm.Free)):
+        if RANK == last and what == "call":
+            if last_sleeps:
+                time.sleep(SLEEP)
+            continue
+        t0 = time.monotonic()
+        try:
+            call()
+            print(f"FREE{k} rank {RANK} {what} ok", flush=True)
+        except ddl.Error as exc:
+            print(f"FREE{k} rank {RANK} {what} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {exc}",
+                  flush=True)
+    WORLD.Barrier()
+
+
 scenario(1, "always", sleep_then_call)
 scenario(2, "off", start_then_sleep)
 scenario(3, "always", sleep_longer_then_call, poll_with_compute, warn=1.5, timeout=2.5)
 scenario(4, "always", failing_reduction, lambda comm, buf: comm.Allreduce(ddl.IN_PLACE, np.ones(1 << 19, np.float32)))
+freeing(5, last_sleeps=False)
+freeing(6, last_sleeps=True)
 WORLD.Barrier()
 if RANK == 0:
     print("DONE", flush=True)
