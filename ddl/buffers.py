@@ -84,8 +84,13 @@ def _as_array(obj, what, opaque_ok=False):
     ``c_longdouble`` is ``'<g'``, ``c_void_p`` ``'<P'``) becomes opaque elements of its item size
     (``V16``) where ``opaque_ok`` (its bytes will only be moved, or read as a dtype the caller names);
     otherwise it is refused: reduced as raw bytes, it gave garbage without a word."""
-    if isinstance(obj, np.ndarray):
+    if type(obj) is np.ndarray:
         return obj
+    if isinstance(obj, np.ma.MaskedArray):
+        raise Error(f"{what} is a masked array: ddl reduces and moves every element, masked or not; pass "
+                    f"its .data (masked values included) or .filled(value)")
+    if isinstance(obj, np.ndarray):
+        return obj.view(np.ndarray)     # a subclass's own view and reshape rules (np.matrix) are not for moving bytes
     try:
         view = memoryview(obj)
     except TypeError:

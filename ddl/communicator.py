@@ -53,6 +53,7 @@ Not thread safe: one thread at a time may be inside ddl (any of its communicator
 import functools
 import math
 import os
+import re
 import threading
 import weakref
 
@@ -206,6 +207,13 @@ _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "a
 _announced = functools.partial(announced, counter="_seq", refuse="_announce_refusal")
 
 
+def _mpi_reason(exc):
+    """The line of an MPI error that says why: MPICH's text is a stack of calls, the cause last
+    (``MPIR_Get_contextid_sparse_group(567): Too many communicators (0/2048 free ...)``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return re.sub(r"^\w+\(\d+\)\.*:\s*", "", lines[-1]) if lines else str(exc)
+
+
 class Communicator:
     """Collectives planned for a topology and executed with nonblocking MPI point-to-point.
 
@@ -260,13 +268,20 @@ class Communicator:
             raise
         _all_set_up(comm, None)
 
+        made = []       # (created before any is used, so that running out of them leaks none)
         try:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED) if self.size > 1 else None
+            made.append(node)
             self._pcomm = comm.Dup()
+            made.append(self._pcomm)
             self._gcomm = comm.Dup()
         except MPI.Exception as exc:
-            raise Error(f"ddl.Communicator: MPI cannot create its private communicators ({exc}): Free() the "
-                        f"ddl.Communicators you no longer use (a `with` block left by an exception does not "
-                        f"free them: freeing is collective)") from None
+            for c in made:
+                if c is not None:
+                    c.Free()
+            raise Error(f"ddl.Communicator: MPI cannot create its private communicators ({_mpi_reason(exc)}): Free() the "
+                        f"ddl.Communicators you no longer use (one that failed, or a `with` block left by an "
+                        f"exception, keeps them: freeing is collective)") from None
         try:
             name = comm.Get_name() or "comm"
             self._pcomm.Set_name(f"ddl-data({name})")
@@ -275,7 +290,6 @@ class Communicator:
             pass
         self._freed = False
         self._board = None
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED) if self.size > 1 else None
         local = node.Get_size() if node is not None else 1
         cores = len(set().union(*node.allgather(_affinity()))) if node is not None else len(_affinity())
         if node is not None:

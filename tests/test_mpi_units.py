@@ -411,3 +411,12 @@ def test_a_waiting_rank_naps_only_after_its_idle_time(monkeypatch, large):
     engine._drive_loop(lambda: time.monotonic() > deadline, None)
     assert calls["yield"] > 0
     assert (calls["nap"] == 0) if large else (calls["nap"] > 0), calls
+
+
+def test_an_mpi_error_is_told_by_its_cause():
+    from ddl.communicator import _mpi_reason
+    stack = ("Other MPI error, error stack:\ninternal_Comm_split_type(103).......: MPI_Comm_split_type(MPI_COMM_WORLD, "
+             "split_type=1) failed\nMPIR_Comm_split_type_impl(105)......: \nMPIR_Get_contextid_sparse_group(567): Too "
+             "many communicators (0/2048 free on this process; ignore_id=0)\n")
+    assert _mpi_reason(Exception(stack)) == "Too many communicators (0/2048 free on this process; ignore_id=0)"
+    assert _mpi_reason(Exception("MPI_ERR_INTERN: internal error")) == "MPI_ERR_INTERN: internal error"
