@@ -188,3 +188,24 @@ def test_rings_too_slow_for_the_lp_to_rate_are_a_plan_error():
     with pytest.raises(PlanError, match="too slow beside the widest link"):
         ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=1 << 30)
     verify(ALGORITHMS["ring"](topo, "allreduce", nbytes=1 << 30))
+
+
+def test_hosts_with_two_nics_behind_pcie_have_their_routes():
+    """GPU, PCIe switch, host, two NICs, one switch: every route between ranks is 8 links long, which a
+    fixed 6-link limit refused ("no path ... avoids the other ranks"). Now every pair has its four
+    routes, and ring-packing weighs them: here the rings of ring-channels, one per NIC, are as good."""
+    gbit = 1e9 / 8
+    nodes, links = [("sw", "switch")], []
+    for h in range(3):
+        nodes += [(f"h{h}", "host"), (f"h{h}/pcie", "pcie"), (f"h{h}/gpu0", "gpu")]
+        links += [{"a": f"h{h}/gpu0", "b": f"h{h}/pcie", "bandwidth": 16e9},
+                  {"a": f"h{h}/pcie", "b": f"h{h}", "bandwidth": 16e9}]
+        for k in range(2):
+            nodes.append((f"h{h}/nic{k}", "nic"))
+            links += [{"a": f"h{h}/nic{k}", "b": f"h{h}", "bandwidth": 16e9},
+                      {"a": f"h{h}/nic{k}", "b": "sw", "bandwidth": 100 * gbit}]
+    topo = Topology("two-nics", nodes, links, [f"h{h}/gpu0" for h in range(3)])
+    paths = rank_paths(topo)
+    assert all(len(ps) == 4 and {len(p) for p in ps} == {9} for ps in paths.values())   # 2 NICs each end
+    with pytest.raises(PlanError, match="gains less than 1% over the rings of 'ring-channels'"):
+        ALGORITHMS["ring-packing"](topo, "allreduce", nbytes=N)

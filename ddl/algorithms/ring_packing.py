@@ -58,7 +58,8 @@ from .ring_channels import MAX_CHANNELS, MIN_GAIN, candidate_orders, choose_chan
 
 NAME = "ring-packing"
 MAX_RANKS = 12            # Held-Karp prices a ring in 2^(p-1) p^2 steps
-MAX_PATH_LINKS = 6        # paths between two ranks of at most this many links ...
+MAX_PATH_LINKS = 6        # paths between two ranks of at most this many links (or PATH_DETOUR more
+PATH_DETOUR = 2           # than their shortest, where that is longer: gpu-pcie-host-nic-switch and back is 8)...
 MAX_PATHS = 16            # ... the shortest this many of them
 MAX_ROUNDS = 64           # rings generated at most
 KEEPS = (0.995, 0.99, 0.985, 0.98)   # the fewest rings holding each share of the optimum are tried ...
@@ -106,9 +107,10 @@ def pack_rings(topo):
 
 
 def rank_paths(topo):
-    """``{(a, b): (path, ...)}``: for every ordered rank pair, the paths of at most
-    :data:`MAX_PATH_LINKS` links that pass through no other rank, the :data:`MAX_PATHS` shortest; only
-    the direct link where the two ranks have one. Transports take that link and no other (a CUDA peer
+    """``{(a, b): (path, ...)}``: for every ordered rank pair, the :data:`MAX_PATHS` shortest paths
+    that pass through no other rank (ties in node order), of at most :data:`MAX_PATH_LINKS` links, or
+    :data:`PATH_DETOUR` more than the pair's shortest where that is longer; only the direct link
+    where the two ranks have one. Transports take that link and no other (a CUDA peer
     copy between GPUs joined by NVLink goes over NVLink, never through their shared PCIe switch), so a
     plan that split such a pair's traffic could not be run as planned."""
     graph = topo.usable_graph()
@@ -120,13 +122,28 @@ def rank_paths(topo):
             paths[(a, b)] = ((ranks[a], ranks[b]),)
             continue
         allowed = graph.subgraph([v for v in graph if v not in others or v in (ranks[a], ranks[b])])
-        found = sorted((tuple(x) for x in nx.all_simple_paths(allowed, ranks[a], ranks[b], cutoff=MAX_PATH_LINKS)),
-                       key=lambda x: (len(x), x))
+        found = _shortest_paths(allowed, ranks[a], ranks[b])
         if not found:
-            raise PlanError(f"{NAME}: no path of at most {MAX_PATH_LINKS} links from rank {a} to rank {b} "
-                            f"avoids the other ranks")
-        paths[(a, b)] = tuple(found[:MAX_PATHS])
+            raise PlanError(f"{NAME}: no path from rank {a} to rank {b} avoids the other ranks")
+        paths[(a, b)] = found
     return paths
+
+
+def _shortest_paths(graph, a, b):
+    """The :data:`MAX_PATHS` shortest simple paths from ``a`` to ``b``, ties in node order, none longer
+    than the limit :func:`rank_paths` states. Paths come in order of length (Yen's algorithm), so only
+    those that can make the cut are found: a fabric's longer detours are never listed."""
+    found, limit = [], None
+    try:
+        for path in nx.shortest_simple_paths(graph, a, b):
+            links = len(path) - 1
+            limit = limit or max(MAX_PATH_LINKS, links + PATH_DETOUR)
+            if links > limit or (len(found) >= MAX_PATHS and links > len(found[MAX_PATHS - 1]) - 1):
+                break
+            found.append(tuple(path))
+    except nx.NetworkXNoPath:
+        pass
+    return tuple(sorted(found, key=lambda x: (len(x), x))[:MAX_PATHS])
 
 
 class RingPacking:
