@@ -27,7 +27,7 @@ def main(argv=None):
     ap = MPIParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=list_of(size), default="8,64MiB",
                     help="comma-separated message sizes (e.g. 8,1MiB,64MiB)")
-    ap.add_argument("--iters", type=list_of(at_least(1)), default="1000,20",
+    ap.add_argument("--iters", type=list_of(at_least(1), unique=False), default="1000,20",
                     help="calls per size and side (one value, or one per size)")
     ap.add_argument("--dtype", type=numeric_dtype, default="float32")
     ap.add_argument("--topology", default=None)

@@ -99,14 +99,15 @@ def positive_float(text):
     return value
 
 
-def list_of(parse):
+def list_of(parse, unique=True):
     """An argparse type: comma-separated values, each stripped of spaces and read by ``parse``; a value
-    given twice is refused (``--gpus 0,0`` would otherwise lose a GPU without a word)."""
+    given twice is refused (``--gpus 0,0`` would otherwise lose a GPU without a word) unless the list
+    is not a set (``unique=False``: iterations per size, ``1000,1000``)."""
     parse = reported(parse)
 
     def parse_all(text):
         values = [parse(item.strip()) for item in text.split(",")]
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None) if unique else None
         if twice is not None:
             raise argparse.ArgumentTypeError(f"{twice} is listed twice in {text!r}")
         return values
