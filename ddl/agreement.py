@@ -212,6 +212,11 @@ def gave_up(table):
     return [r for r, row in enumerate(table) if int(row[_COLL]) == GAVE_UP]
 
 
+def freed_by(table):
+    """The ranks whose row of a board or gathered ``table`` says they called ``Free`` there."""
+    return [r for r, row in enumerate(table) if int(row[_COLL]) == COLLECTIVE_CODES["free"]]
+
+
 def describe(vec, several=False):
     """Human form of one signature vector: ``Allreduce with 1000 float32 (SUM)`` (``several``: the
     signature of more than one rank, for the words that say who)."""

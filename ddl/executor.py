@@ -798,15 +798,26 @@ class Engine:
                     board.finish(ex.seq)
                     self._start_data(ex)
             else:
-                from .agreement import gave_up, mismatch_error
+                from .agreement import gave_up
                 table = board.table(ex.seq)
                 board.finish(ex.seq)
                 quitters = gave_up(table)
                 if quitters:
                     self._abandoned(ex, quitters)
                 else:
-                    self._fail(ex, mismatch_error(table, ex.seq, self.rank))
+                    self._mismatched(ex, table)
         return progressed
+
+    def _mismatched(self, ex, table):
+        """The ranks' signatures of ``ex`` differ (``table``, one row per rank): it fails with the
+        MismatchError that says how. Where some rank called ``Free`` there, that rank has let go of the
+        communicator, so this one is unusable too: its next call (its own ``Free`` included) ends at
+        once instead of waiting ``stall_timeout`` for a rank that is gone."""
+        from .agreement import format_ranks, freed_by, mismatch_error
+        self._fail(ex, mismatch_error(table, ex.seq, self.rank))
+        freers = freed_by(table)
+        if freers and self.rank not in freers:
+            self.broken = f"MismatchError in collective #{ex.seq}, where {format_ranks(freers)} freed the communicator"
 
     def _abandoned(self, ex, quitters):
         """Ranks ``quitters`` gave up on ``ex`` (StallError) before every rank had entered it (this one,
@@ -885,8 +896,7 @@ class Engine:
             ex.agree_done = True
             self._agreement_ready()
         elif ev == EV_GATHER:
-            from .agreement import mismatch_error
-            self._fail(ex, mismatch_error(ex.gather_buf[1], ex.seq, self.rank))
+            self._mismatched(ex, ex.gather_buf[1])
 
     def _ring_sender(self, ex, k):
         """A receive of a large message completed: its sender's Isend can now complete, wake it."""

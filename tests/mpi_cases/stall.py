@@ -91,12 +91,16 @@ def failing_reduction(comm, buf):
 
 def freeing(k, last_sleeps):
     """Free is collective: the last rank calls it where the others call Allreduce (scenario 5), or only
-    after sleeping past the stall timeout that ended the others' Allreduce (scenario 6). No rank may hang
-    in MPI's frees (the last one once did, for ever): each says what it got."""
+    after sleeping past the stall timeout that ended the others' Allreduce (scenario 6); the others then
+    call Allreduce again and Free. No rank may hang in MPI's frees (the last one once did, for ever), nor
+    wait for the one that left: each says what it got."""
     comm = ddl.Communicator(WORLD, stall_warning=WARN, stall_timeout=TIMEOUT)
-    for what, call in (("call", lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(64, np.float32))), ("free", comm.Free)):
-        if RANK == last and what == "call":
-            if last_sleeps:
+
+    def allreduce():
+        comm.Allreduce(ddl.IN_PLACE, np.ones(64, np.float32))
+    for what, call in (("call", allreduce), ("again", allreduce), ("free", comm.Free)):
+        if RANK == last and what in ("call", "again"):
+            if last_sleeps and what == "call":
                 time.sleep(SLEEP)
             continue
         t0 = time.monotonic()
