@@ -795,11 +795,15 @@ class Communicator:
     def _barrier_start(self):
         if self._freed:
             raise Error("this ddl.Communicator was freed")
-        key = ("barrier",)
-        entry = self._plans.get(key)
-        if entry is None:
-            entry = self._plans[key] = Signature("barrier", 0, None, None, 0, 0, self._topology_digest, self.check)
-        return self._agreement_only(entry, "Barrier()")
+        return self._agreement_only(self._bare_signature("barrier"), "Barrier()")
+
+    def _bare_signature(self, kind):
+        """The signature of a call that is its agreement and nothing else (``barrier``, ``free``), kept
+        with the plans."""
+        sig = self._plans.get((kind,))
+        if sig is None:
+            sig = self._plans[(kind,)] = Signature(kind, 0, None, None, 0, 0, self._topology_digest, self.check)
+        return sig
 
     def _agreement_only(self, sig, label):
         """Start a collective that is its agreement and nothing else (a barrier, a refusal)."""
@@ -891,10 +895,7 @@ class Communicator:
             for ex in list(self._engine.inflight.values()):
                 self._engine.wait(ex)
             if self._engine.broken is None and self.size > 1:
-                key = ("free",)
-                sig = self._plans.get(key) or self._plans.setdefault(
-                    key, Signature("free", 0, None, None, 0, 0, self._topology_digest, self.check))
-                self._engine.wait(self._agreement_only(sig, "Free()"))
+                self._engine.wait(self._agreement_only(self._bare_signature("free"), "Free()"))
         except BaseException:
             self._let_go()
             raise

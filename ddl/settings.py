@@ -31,17 +31,22 @@ def env_int(name, default):
     return int(number)
 
 
+def _on_off(value):
+    """True or False for a word of :data:`_TRUE` or :data:`_FALSE` (any case), else None."""
+    word = value.lower()
+    return True if word in _TRUE else False if word in _FALSE else None
+
+
 def env_flag(name, default):
     """On or off: ``1 true yes on`` or ``0 false no off`` (any case); unset or empty: ``default``."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise Error(f"environment variable {name}={value!r} is neither on ({', '.join(_TRUE)}) nor off "
-                f"({', '.join(_FALSE)})")
+    flag = _on_off(value)
+    if flag is None:
+        raise Error(f"environment variable {name}={value!r} is neither on ({', '.join(_TRUE)}) nor off "
+                    f"({', '.join(_FALSE)})")
+    return flag
 
 
 def env_auto_flag(name):
@@ -49,8 +54,8 @@ def env_auto_flag(name):
     value = os.environ.get(name, "").strip()
     if value.lower() in ("", "auto"):
         return None
-    try:
-        return env_flag(name, None)
-    except Error:
+    flag = _on_off(value)
+    if flag is None:
         raise Error(f"environment variable {name}={value!r} is neither auto, on ({', '.join(_TRUE)}) nor "
-                    f"off ({', '.join(_FALSE)})") from None
+                    f"off ({', '.join(_FALSE)})")
+    return flag

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import Error
 from ..units import format_bandwidth
-from . import INTERRUPT_SAID_OUTSIDE, say_interrupted
+from . import INTERRUPT_SAID_OUTSIDE, say_if_interrupted
 
 
 def register(subparsers):
@@ -108,7 +108,7 @@ def _ending_on_signals(command):
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, *signals_as_interrupt.SIGNALS):
                 signal.signal(s, signal.SIG_IGN)
-        say_interrupted(f"interrupted by {signal.Signals(caught.signum).name}")
+        say_if_interrupted(128 + caught.signum)
         return 128 + caught.signum
     return run
 

@@ -578,7 +578,7 @@ class Cluster:
     def release(self):
         """Let go of the cluster's lock and leave it up (for a borrowed one: as its builder left it)."""
         if self._lock is not None:
-            os.close(self._lock)
+            _release(self.state_dir, self._lock)
             self._lock = None
 
     # -- teardown ---------------------------------------------------------------------------------
