@@ -65,7 +65,7 @@ from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere
-from .ops import LOGICAL, SUM, check_op_dtype, finish_average, resolve_op
+from .ops import LOGICAL, SUM, check_op_dtype, divided, divides_first, finish_average, resolve_op
 from .schedule import Schedule
 from .settings import env_flag, env_float, env_int
 from .units import message_size, whole_number
@@ -514,7 +514,7 @@ class Communicator:
         plan = CompiledPlan(sched, self.rank, count, dtype, layout, ufunc=op.ufunc if op is not None else None)
         sig = Signature(collective, sig_count, dtype, op, root, self._check_schedule(sched, collective, root), self._topology_digest,
                         self.check)
-        finish = self._finisher(layout, count, op)
+        finish = self._finisher(layout, count, dtype, op)
         if len(self._plans) >= _MAX_PLANS:  # bounded: a plan keeps its scratch buffers
             del self._plans[next(iter(self._plans))]
         entry = self._plans[key] = (plan, sig, finish, _LABEL[collective] + f"({sig_count} x {dtype.name}"
@@ -522,9 +522,9 @@ class Communicator:
                                        (f", root {root})" if collective == "broadcast" else ")")), inline)
         return entry
 
-    def _finisher(self, layout, count, op):
+    def _finisher(self, layout, count, dtype, op):
         size, rank = self.size, self.rank
-        average = op is not None and op.average and size > 1
+        average = op is not None and op.average and size > 1 and not divides_first(op, dtype, size)
         truth = size == 1 and op in LOGICAL   # nothing is reduced on one rank: make the 1 or 0 here
         if layout == "reduce_scatter_inplace":
             n = count // size
@@ -556,6 +556,8 @@ class Communicator:
             raise Error("this ddl.Communicator was freed")
         if self._engine.inflight or len(_ENGINES) > 1:   # (every communicator's: one buffer, one call)
             _check_not_in_flight(send, recv, in_flight_everywhere(), self._engine)
+        if op is not None and op.average and divides_first(op, dtype, self.size):
+            layout, send, recv = self._divided_first(layout, send, recv, count)
         plan, sig, finish, label, limit = self._compiled(layout, count, dtype, op, root, sig_count)
         self._engine.admit(plan)   # may refuse the call: before it takes a sequence number
         seq = self._seq
@@ -581,6 +583,19 @@ class Communicator:
         ex.salt = sig.base
         self._engine.start(ex, blocking)
         return ex
+
+    def _divided_first(self, layout, send, recv, count):
+        """``(layout, send, recv)`` of an AVG that divides every input first (float16, see
+        :func:`ddl.ops.divides_first`): it runs out of place from a divided copy of the input, so the
+        caller's buffers are untouched until the result lands (a call refused by the check loses
+        nothing, in place too). In place, ``recv`` is the input, and the output (its first block for
+        a reduce-scatter, where MPI puts it)."""
+        if send is None:
+            send = recv
+            if layout == "reduce_scatter_inplace":
+                recv = recv[:count // self.size]
+            layout = layout.replace("_inplace", "")
+        return layout, divided(send, self.size), recv
 
     def _forget_signature(self, ex):
         """check="new": a call whose check failed (MismatchError) is not "seen". Every rank checked it

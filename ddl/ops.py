@@ -19,7 +19,8 @@ Rules (violations raise :class:`ddl.Error` before any communication):
   non-zero value counts as true), never a bitwise combination;
 * ``MIN MAX`` refuse complex numbers (no order);
 * ``SUM PROD AVG`` refuse bool (numpy would silently turn ``+`` into ``or``);
-* ``AVG`` is ``SUM`` followed by a division by the number of ranks on every rank. It is defined for
+* ``AVG`` is ``SUM`` followed by a division by the number of ranks on every rank, except on float16
+  (:func:`divides_first`): there every rank's input is divided first, then summed. It is defined for
   floating-point (and complex) dtypes only and **refuses integers**, as Horovod does: neither floor
   division (surprising for negative sums) nor a silent cast is a good default. Use ``SUM`` and divide
   yourself, or convert to a float dtype first.
@@ -168,6 +169,22 @@ def check_op_dtype(op, dtype):
         if op in (BAND, BOR, BXOR, LAND, LOR, LXOR):
             raise Error(f"{op.name} needs an integer or bool dtype, got {np.dtype(dtype)}")
         raise Error(f"{op.name} is not defined for dtype {np.dtype(dtype)}")
+
+
+def divides_first(op, dtype, nranks):
+    """Whether an AVG of ``dtype`` over ``nranks`` divides every rank's input by the rank count before
+    the sum (instead of the sum after it). float16 only: its largest value is 65504, which the sum of
+    ordinary values passes (40000 averaged over 3 ranks: ``inf`` when summed first), and NCCL's
+    ``ncclAvg`` and PyTorch DDP divide first there too. Other floats reach 1e38 and more, and
+    dividing the sum rounds once instead of once per rank. ``dtype``: a numpy dtype or a name."""
+    return op is not None and op.average and nranks > 1 and str(dtype) == "float16"
+
+
+@np.errstate(all="ignore")
+def divided(array, nranks):
+    """A new array: ``array`` divided by ``nranks`` in its own dtype (an AVG's input, see
+    :func:`divides_first`); underflow ignored, as in the reduction."""
+    return np.true_divide(array, nranks, dtype=array.dtype)
 
 
 @np.errstate(all="ignore")

@@ -1086,6 +1086,20 @@ _MPI_SCRIPT = textwrap.dedent('''
                 ex.Bcast(HostArray(b), root=root)
                 ref = x.copy(); comm.Bcast(ref, root=root)
                 same(b, ref, f"Bcast root {root} {dt} {n}")
+    # float16 AVG divides first on the device as on the host: a sum past 65504 averages to a finite value
+    big = np.full(13 * size, 40000.0, np.float16)
+    big[1::2] = -30000.0 + rank
+    ref = np.empty_like(big); comm.Allreduce(big, ref, op=ddl.AVG)
+    assert np.isfinite(ref).all(), ref[:4]
+    out = np.empty_like(big); ex.Allreduce(HostArray(big), HostArray(out), op=ddl.AVG)
+    same(out, ref, "float16 AVG past 65504")
+    y = big.copy(); ex.Allreduce(ddl.IN_PLACE, HostArray(y), op=ddl.AVG); same(y, ref, "float16 AVG in place")
+    rr = np.empty(13, np.float16); comm.Reduce_scatter_block(big, rr, op=ddl.AVG)
+    ro = np.zeros(13, np.float16); ex.Reduce_scatter_block(HostArray(big), HostArray(ro), op=ddl.AVG)
+    same(ro, rr, "float16 Reduce_scatter_block AVG past 65504")
+    z = big.copy(); ex.Reduce_scatter_block(ddl.IN_PLACE, HostArray(z), op=ddl.AVG)
+    same(z[:13], rr, "float16 Reduce_scatter_block AVG in place")
+    same(z[13:], big[13:], "float16 Reduce_scatter_block AVG in place, beyond its block")
     assert ex.last_path == path, (ex.last_path, path)
     # ddl.Communicator hands device buffers to its device executor (here the one on host memory)
     comm._device = ex

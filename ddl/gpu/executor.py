@@ -56,7 +56,7 @@ import numpy as np
 from ..agreement import announced, format_ranks
 from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
-from ..ops import LOGICAL, SUM, check_op_dtype, reduce_into, resolve_op
+from ..ops import LOGICAL, SUM, check_op_dtype, divides_first, reduce_into, resolve_op
 from ..settings import env_flag
 from . import INSTALL_CUPY
 from .buffers import DTYPES, DeviceBuffer, parse_device_buffer
@@ -497,6 +497,7 @@ class NcclExecutor:
         self._prepared = {}
         self._freed = False
         self._previous = None     # (event, stream ptr) of the last collective enqueued on the NCCL path
+        self._copy = None         # the divided copy of the last float16 AVG's input (see _copy_space)
         self._entered = 0         # calls that reached the agreement (see _announced)
 
     # ---- runtime and path ---------------------------------------------------------------------------
@@ -656,6 +657,19 @@ class NcclExecutor:
                 self._buffers.popitem(last=False)
         return entry[1], entry[2]
 
+    def _copy_space(self, nbytes, stream, align_to):
+        """A device buffer of ``nbytes`` on ``stream`` for the divided copy of an AVG's input (see
+        :func:`ddl.ops.divides_first`), at ``align_to`` mod 16 like the workspace; kept until the next
+        call, so a collective still queued on the stream keeps its input."""
+        try:
+            self._copy = self.runtime.alloc(nbytes + 32, stream)
+        except Error:
+            raise
+        except Exception as exc:
+            raise Error(f"cannot allocate the device copy of this AVG's input ({nbytes} B): "
+                        f"{type(exc).__name__}: {exc}") from exc
+        return -(-self._copy.ptr // 16) * 16 + align_to % 16
+
     def _prepare(self, lp, kop, dt, op):
         """Have the runtime ready the kernels ``lp`` will launch (CuPy: compile them), once per plan."""
         prepare = getattr(self.runtime, "prepare", None)
@@ -765,12 +779,16 @@ class NcclExecutor:
         rt = self.runtime
         s = rt.stream(stream)
         self._check_device(send, recv)
+        first = divides_first(op, dt.name, self.size)
+        if first:                # out of place, from a divided copy of the input (as on the host)
+            layout = layout.replace("_inplace", "")
         sched, lp = self._launch_plan(layout, count, dt, root)
         kop = "SUM" if op is not None and op.average else (op.name if op is not None else None)
         # everything that may fail on one rank alone (allocation, kernel compilation) before the
         # agreement: a failure is then announced as a refusal, instead of leaving the peers blocked
         # in the transfers of a plan this rank abandoned
         scratch, work = self._workspace(lp, s, recv.ptr)
+        copy = self._copy_space(count * recv.itemsize, s, recv.ptr) if first else None
         self._prepare(lp, kop, dt, op)
         self._agree(collective, sig_count, dt, op, root, sched)
         for b in (send, recv):
@@ -778,8 +796,13 @@ class NcclExecutor:
                 rt.wait_stream(s, b.stream)
         if self._previous is not None and self._previous[1] != s.ptr:
             rt.wait_event(s, self._previous[0])     # the previous collective ran on another stream
-        ptrs = {SEND_BUF: send.ptr if send is not None else 0, RECV_BUF: recv.ptr, WORK_BUF: work,
-                SCRATCH_BUF: scratch}
+        if first:
+            rt.memcpy(copy, (send if send is not None else recv).ptr, count * recv.itemsize, s)
+            rt.scale(dt, copy, count, float(self.size), s)
+            send_ptr = copy
+        else:
+            send_ptr = send.ptr if send is not None else 0
+        ptrs = {SEND_BUF: send_ptr, RECV_BUF: recv.ptr, WORK_BUF: work, SCRATCH_BUF: scratch}
         transport = NcclTransport(self._nccl) if path == "nccl" else MpiTransport(self._mcomm, rt)
         run_plan(lp, ptrs, transport, rt, kop, dt, s)
         self._finish(layout, recv, count, op, rt, s)
@@ -796,7 +819,7 @@ class NcclExecutor:
             n = count // p
             if self.rank:
                 rt.memcpy(recv.ptr, recv.ptr + self.rank * n * isz, n * isz, s)
-        if op is not None and op.average and p > 1:
+        if op is not None and op.average and p > 1 and not divides_first(op, recv.dtype.name, p):
             n = count // p if layout in ("reduce_scatter", "reduce_scatter_inplace") else count
             rt.scale(recv.dtype, recv.ptr, n, float(p), s)
 
@@ -963,6 +986,7 @@ class NcclExecutor:
         self._previous = None
         self._nccl_destroy()
         self._buffers.clear()
+        self._copy = None
         self._pinned.clear()
         self._mcomm.Free()
 

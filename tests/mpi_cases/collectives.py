@@ -610,6 +610,49 @@ def check_signed_zeros_and_nans():
             c.Free()
 
 
+def check_float16_average():
+    """float16 AVG divides every input first (as NCCL and PyTorch DDP): values whose sum passes 65504
+    average to a finite value, identical everywhere, inline and scheduled, in place or not, and the
+    caller's input is untouched. float32 still sums first: its AVG is the sum's division."""
+    def given(rank, count):
+        x = np.full(count, 40000.0, np.float16)
+        x[1::2] = -30000.0 + rank                  # a rank-dependent half
+        return x
+
+    for count in (5, 300007):                      # inline (one node, small) and by the schedule
+        x = given(r, count)
+        keep = x.copy()
+        ref = sum(given(k, count).astype(np.float64) for k in range(p)) / p
+        for inplace in (False, True):
+            what = f"float16 AVG of {count}{' in place' if inplace else ''}"
+            if inplace:
+                out = x.copy()
+                comm.Allreduce(ddl.IN_PLACE, out, op=ddl.AVG)
+            else:
+                out = np.empty_like(x)
+                comm.Allreduce(x, out, op=ddl.AVG)
+                chk.ok(np.array_equal(x, keep), f"{what}: the input changed")
+            chk.ok(np.isfinite(out).all(), f"{what}: {out[:4]} (the sum overflows float16)")
+            chk.ok(np.allclose(out, ref, rtol=5e-3), f"{what}: {out[:4]} vs {ref[:4]}")
+            chk.same_everywhere(what, out)
+        n = count // p + 1
+        xs = np.resize(x, n * p)
+        rs = np.empty(n, np.float16)
+        comm.Reduce_scatter_block(xs, rs, op=ddl.AVG)
+        chk.ok(np.isfinite(rs).all(), f"float16 Reduce_scatter_block AVG of {n}x{p}: {rs[:4]}")
+        inplace = xs.copy()
+        comm.Reduce_scatter_block(ddl.IN_PLACE, inplace, op=ddl.AVG)
+        chk.ok(np.array_equal(inplace[:n], rs), f"float16 Reduce_scatter_block AVG IN_PLACE of {n}x{p}")
+        chk.ok(np.array_equal(inplace[n:], xs[n:]), "float16 Reduce_scatter_block AVG IN_PLACE: beyond its block")
+        req = comm.Iallreduce(x, out, op=ddl.AVG)
+        req.Wait()
+        chk.same_everywhere(f"float16 Iallreduce AVG of {count}", out)
+    y = np.full(4, 3.0e38, np.float32)             # float32 sums first: the same sum, then divided
+    out = np.empty_like(y)
+    comm.Allreduce(y, out, op=ddl.AVG)
+    chk.ok(np.isinf(out).all() if p > 1 else np.array_equal(out, y), f"float32 AVG sums first: {out}")
+
+
 def check_reproducible():
     """A fresh communicator reproduces the bits of the first one (every run, not just every rank)."""
     a = inputs(r, np.dtype(np.float32), 1001, ddl.SUM)
@@ -627,6 +670,7 @@ check_nonblocking()
 check_functional()
 check_two_communicators()
 check_inline()
+check_float16_average()
 check_reproducible()
 check_signed_zeros_and_nans()
 if mode == "full" or p in (5, 8):
