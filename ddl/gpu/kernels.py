@@ -70,13 +70,14 @@ def native_source():
 
 # ---- specs ----------------------------------------------------------------------------------------
 def op_name(op):
-    """``ddl.SUM`` / ``"sum"`` -> ``"SUM"``; AVG is SUM followed by :func:`scale_kernel_source`."""
+    """``ddl.SUM`` / ``"sum"`` -> ``"SUM"``; AVG is SUM and :func:`scale_kernel_source` (after the sum,
+    or on each input before it for float16: :func:`ddl.ops.divides_first`)."""
     name = getattr(op, "name", op)
     if not isinstance(name, str):
         raise Error(f"not a reduction op: {op!r}")
     name = name.upper()
     if name == "AVG":
-        raise Error("AVG has no kernel of its own: it is SUM followed by the scale kernel (divide by the rank count)")
+        raise Error("AVG has no kernel of its own: it is SUM and the scale kernel (divide by the rank count)")
     if name not in OPS:
         raise Error(f"unknown reduction op {op!r}; GPU kernels exist for {', '.join(OPS)}")
     return name
@@ -193,7 +194,7 @@ def kernel_source(op, dtype, ninputs):
 
 
 def scale_kernel_source(dtype):
-    """Source of ``ddl_scale_<dtype>(out, n, divisor)``: ``out[i] /= divisor`` (AVG's finish)."""
+    """Source of ``ddl_scale_<dtype>(out, n, divisor)``: ``out[i] /= divisor`` (AVG's division)."""
     dt = device_dtype(dtype)
     return _preamble([dt]) + native_source() + "\n" + _scale_wrapper(dt)
 
