@@ -135,9 +135,10 @@ class Planner:
     """Plans collectives on one topology, with an in-memory and an on-disk cache."""
 
     def __init__(self, topo, cache_dir=None, use_disk_cache=None, workers=1):
-        """``workers``: processes that simulate the candidates of a cold plan (they are independent,
-        and simulation is most of a large cluster's plan time). More than 1 needs the ``fork`` start
-        method; keep 1 inside MPI jobs, where forking a process that holds MPI state is unsafe."""
+        """``workers``: processes that build and simulate the candidates of a cold plan (they are
+        independent, and simulation, theirs and that of the variants some algorithms choose among, is
+        most of a plan's time). More than 1 needs the ``fork`` start method; keep 1 inside MPI jobs,
+        where forking a process that holds MPI state is unsafe."""
         self.topo = topo
         self.workers = max(1, int(workers))
         if use_disk_cache is None:
@@ -272,28 +273,26 @@ class Planner:
         from .bounds import lower_bound
 
         built = {}
-        names = algorithm_names() if algorithm == AUTO else [algorithm]
         if algorithm != AUTO and algorithm not in algorithm_names():
             raise PlanError(f"unknown algorithm {algorithm!r}; choose one of: auto, {', '.join(algorithm_names())}")
-        skipped = {}
-        for name in (algorithm_names() if algorithm == AUTO else names + algorithm_names()):
-            if name in built or name in skipped:
+        skipped, names = {}, []
+        for name in ([] if algorithm == AUTO else [algorithm]) + algorithm_names():
+            if name in names or name in skipped:
                 continue
             redundant = REDUNDANT.get(name) if name != algorithm else None
             if redundant is not None and (why := redundant(self.topo)):
                 skipped[name] = why
-                continue
-            try:
-                sched = self._build(name, collective, nbytes, root)
-            except PlanError as exc:
-                skipped[name] = str(exc)
-                continue
-            except ScheduleError as exc:   # an algorithm's bug must not stop the others: said, not hidden
+            else:
+                names.append(name)
+        for name, sched in self._build_all(names, collective, nbytes, root).items():
+            if isinstance(sched, PlanError):
+                skipped[name] = str(sched)
+            elif isinstance(sched, ScheduleError):   # an algorithm's bug must not stop the others: said, not hidden
                 if name == algorithm:
-                    raise
-                skipped[name] = f"built an invalid schedule, a bug to report: {exc}"
-                continue
-            built[name] = sched
+                    raise sched
+                skipped[name] = f"built an invalid schedule, a bug to report: {sched}"
+            else:
+                built[name] = sched
         prune = algorithm == AUTO and not exhaustive
         margin = FLAT_MESSAGE_MARGIN if self.topo.source == FLAT_SOURCE else 0.0
         predicted, outpaced, proved = _predict(self.topo, built, nbytes, self.workers, prune, 1.0 + margin)
@@ -321,6 +320,31 @@ class Planner:
             self._schedules[key] = held if held is not None else self._store(key, sched)
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
+
+    def _build_all(self, names, collective, nbytes, root):
+        """``{name: its Schedule, or the PlanError or ScheduleError that stopped it}`` for ``names``, in
+        their order. With more than one worker, each is built in a forked process: the algorithms
+        that simulate variants of their own to choose among them (tree-packing, Blink's trees) take
+        most of a small cluster's plan, each on its own (the leaf-spine cluster at 256 MiB: 32 s and
+        19 s of a 56 s plan on one core)."""
+        global _BUILDING
+        if self.workers <= 1 or len(names) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            return {name: self._built(name, collective, nbytes, root) for name in names}
+        _BUILDING = (self, collective, nbytes, root)
+        pool = ProcessPoolExecutor(min(self.workers, len(names)), mp_context=multiprocessing.get_context("fork"))
+        try:
+            futures = {name: pool.submit(_build_forked, name) for name in names}
+            return {name: future.result() for name, future in futures.items()}
+        finally:
+            _BUILDING = None
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _built(self, name, collective, nbytes, root):
+        """:meth:`_build`, or the PlanError or ScheduleError it raised."""
+        try:
+            return self._build(name, collective, nbytes, root)
+        except (PlanError, ScheduleError) as exc:
+            return exc
 
     def _build(self, name, collective, nbytes, root):
         from .algorithms import ALGORITHMS
@@ -452,6 +476,13 @@ def _key(collective, nbytes, algorithm, root):
 
 
 _FORKED = None     # what forked workers inherit (see _predict)
+_BUILDING = None   # ... and those that build the candidates (see Planner._build_all)
+
+
+def _build_forked(name):
+    """A candidate built in a forked worker (see :meth:`Planner._build_all`)."""
+    planner, collective, nbytes, root = _BUILDING
+    return planner._built(name, collective, nbytes, root)
 
 
 def _fewest_messages(candidates, fastest, margin):

@@ -113,6 +113,31 @@ def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
         planner.plan("allreduce", 16 << 20)
 
 
+def test_workers_build_the_candidates_with_the_serial_outcome(monkeypatch):
+    # with workers, each candidate is built in a forked process: the plan, and what was skipped and
+    # why (an algorithm that refuses, one that builds an invalid schedule), are the serial plan's
+    build = Planner._build
+
+    def built_where(self, name, *a):
+        if name == "ring":
+            raise ScheduleError(f"built in process {os.getpid()}")
+        if name == "halving-doubling":
+            raise planner_module.PlanError(f"refused in process {os.getpid()}")
+        return build(self, name, *a)
+
+    monkeypatch.setattr(Planner, "_build", built_where)
+    serial, parallel = (_planner("fat-tree-4x4-r8", workers=w).plan("allreduce", 16 << 20, exhaustive=True)
+                        for w in (1, 2))
+    assert (parallel.algorithm, parallel.predicted_seconds, parallel.baselines) == (
+        serial.algorithm, serial.predicted_seconds, serial.baselines)
+    assert set(parallel.skipped) == set(serial.skipped) and {"ring", "halving-doubling"} <= set(serial.skipped)
+    here = f"process {os.getpid()}"
+    assert here in serial.skipped["ring"] and here in serial.skipped["halving-doubling"]
+    assert "a bug to report: built in process" in parallel.skipped["ring"] and here not in parallel.skipped["ring"]
+    assert "refused in process" in parallel.skipped["halving-doubling"]
+    assert here not in parallel.skipped["halving-doubling"]
+
+
 def test_an_algorithm_that_builds_an_invalid_schedule_is_skipped_by_auto_and_named(monkeypatch):
     build = Planner._build
 

@@ -38,7 +38,7 @@ def register(sub):
                         "edited by hand) on FILE at each size, against the bound; a job runs it after "
                         "comm.planner.pin(FILE.json)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
-                   help="processes that simulate the candidates of a cold plan (default: one per core)")
+                   help="processes that build and simulate the candidates of a cold plan (default: one per core)")
     p.add_argument("--compare", action="store_true",
                    help="one table: auto against rings (ring or ring-channels, the faster), halving-doubling "
                         "and double-binary-tree per file (every candidate's simulation is run to its end)")
