@@ -556,7 +556,7 @@ class Communicator:
             raise Error("this ddl.Communicator was freed")
         if self._engine.inflight or len(_ENGINES) > 1:   # (every communicator's: one buffer, one call)
             _check_not_in_flight(send, recv, in_flight_everywhere(), self._engine)
-        if op is not None and op.average and divides_first(op, dtype, self.size):
+        if divides_first(op, dtype, self.size):
             layout, send, recv = self._divided_first(layout, send, recv, count)
         plan, sig, finish, label, limit = self._compiled(layout, count, dtype, op, root, sig_count)
         self._engine.admit(plan)   # may refuse the call: before it takes a sequence number

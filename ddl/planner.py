@@ -327,17 +327,11 @@ class Planner:
         that simulate variants of their own to choose among them (tree-packing, Blink's trees) take
         most of a small cluster's plan, each on its own (the leaf-spine cluster at 256 MiB: 32 s and
         19 s of a 56 s plan on one core)."""
-        global _BUILDING
-        if self.workers <= 1 or len(names) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        if not _can_fork(self.workers, len(names)):
             return {name: self._built(name, collective, nbytes, root) for name in names}
-        _BUILDING = (self, collective, nbytes, root)
-        pool = ProcessPoolExecutor(min(self.workers, len(names)), mp_context=multiprocessing.get_context("fork"))
-        try:
+        with _forked_workers(self.workers, len(names), (self, collective, nbytes, root)) as pool:
             futures = {name: pool.submit(_build_forked, name) for name in names}
             return {name: future.result() for name, future in futures.items()}
-        finally:
-            _BUILDING = None
-            pool.shutdown(wait=False, cancel_futures=True)
 
     def _built(self, name, collective, nbytes, root):
         """:meth:`_build`, or the PlanError or ScheduleError it raised."""
@@ -475,13 +469,33 @@ def _key(collective, nbytes, algorithm, root):
     return (*_pin_key(collective, root), algorithm, size_class(nbytes))
 
 
-_FORKED = None     # what forked workers inherit (see _predict)
-_BUILDING = None   # ... and those that build the candidates (see Planner._build_all)
+_FORKED = None     # what forked workers inherit (see _forked_workers)
+
+
+def _can_fork(workers, jobs):
+    """Whether ``jobs`` independent jobs go to forked workers: more than one of each, where processes
+    can be forked."""
+    return workers > 1 and jobs > 1 and "fork" in multiprocessing.get_all_start_methods()
+
+
+@contextmanager
+def _forked_workers(workers, jobs, shared):
+    """A pool of up to ``workers`` forked processes for ``jobs`` jobs, which inherit ``shared`` as
+    :data:`_FORKED` (the candidates to build, or to simulate and prove); shut down on leaving, jobs
+    not yet started cancelled."""
+    global _FORKED
+    _FORKED = shared
+    pool = ProcessPoolExecutor(min(workers, jobs), mp_context=multiprocessing.get_context("fork"))
+    try:
+        yield pool
+    finally:
+        _FORKED = None
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _build_forked(name):
     """A candidate built in a forked worker (see :meth:`Planner._build_all`)."""
-    planner, collective, nbytes, root = _BUILDING
+    planner, collective, nbytes, root = _FORKED
     return planner._built(name, collective, nbytes, root)
 
 
@@ -515,9 +529,7 @@ def _predict(topo, schedules, nbytes, workers, prune=False, slack=1.0):
 
     A proof is abandoned as soon as its schedule can no longer win (outpaced, or overtaken), and is
     made once: a worker leaves it to one that has started it."""
-    global _FORKED
-    if (workers <= 1 or len(schedules) <= 1 or "fork" not in multiprocessing.get_all_start_methods()
-            or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS):
+    if not _can_fork(workers, len(schedules)) or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS:
         sims, outpaced, best = {}, {}, math.inf
         for name, sched in schedules.items():
             result = _simulated(topo, sched, nbytes, (lambda: best * slack) if prune else None)
@@ -528,9 +540,8 @@ def _predict(topo, schedules, nbytes, workers, prune=False, slack=1.0):
                 best = min(best, result.seconds)
         return sims, outpaced, {}
     largest_first = sorted(schedules, key=lambda n: -schedules[n].nops)
-    _FORKED = _Shared(topo, schedules, nbytes, prune, largest_first, slack)
-    pool = ProcessPoolExecutor(min(workers, len(schedules)), mp_context=multiprocessing.get_context("fork"))
-    try:
+    with _forked_workers(workers, len(schedules), _Shared(topo, schedules, nbytes, prune, largest_first,
+                                                          slack)) as pool:
         simulations = {pool.submit(_simulate_forked, name): name for name in largest_first}
         proofs = {pool.submit(_prove_forked, name): name for name in largest_first}
         sims, outpaced, proved = {}, {}, {}
@@ -544,9 +555,6 @@ def _predict(topo, schedules, nbytes, workers, prune=False, slack=1.0):
             if proof is not None:
                 proved[name] = proof
         return sims, outpaced, proved
-    finally:
-        _FORKED = None
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Shared:
