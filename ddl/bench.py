@@ -627,7 +627,7 @@ def run(opts, world=None, out=None, err=None):
             out.write("\n")
         else:
             print_summary(rows, out, emulated=bool(os.environ.get("DDL_EMULATED_CLUSTER")),
-                          topology_file=opts.topology)
+                          topology_file=opts.topology, mpi_library=MPI.Get_library_version())
         out.flush()
         status = 1 if any(r["wrong"] for r in rows) else 0
         if opts.plot:

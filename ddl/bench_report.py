@@ -4,6 +4,8 @@ widths fixed before the first row is printed, since rows come one by one), the `
 
 Pure formatting of the row dicts :mod:`ddl.bench` builds (the ``--json`` records): no MPI here.
 """
+import os
+
 from .errors import Error
 from .planner import FLAT_BANDWIDTH
 from .units import format_seconds, format_size
@@ -110,11 +112,13 @@ SLOW_CHECK_BYTES = 1 << 20
 """(Below it the software cost of each message, which a file may not model, weighs as much as the links.)"""
 
 
-def print_summary(rows, out, emulated=False, topology_file=None):
+def print_summary(rows, out, emulated=False, topology_file=None, mpi_library=""):
     """nccl-tests' footer, ddl's speed-up over each peer at each size, a note on any time under the
     bound, saying why it can be there (``emulated``: the rows ran on an emulated cluster), and one on
     ddl's times far over their predictions, pointing at ``ddl topo probe`` (``topology_file``: the file
-    the run planned on; None: ddl's flat default)."""
+    the run planned on; None: ddl's flat default) and, under Open MPI (``mpi_library``, what
+    ``MPI_Get_library_version`` says) with its TCP BTL's eager limit left at its default, at that
+    limit (README, "Another MPI": ddl's pieces above it ran at 0.6 times the links' rate)."""
     bad = sum(r["wrong"] for r in rows)
     print(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
     by_impl = {}
@@ -151,6 +155,10 @@ def print_summary(rows, out, emulated=False, topology_file=None):
                f"rank: give it the cluster's file (`ddl topo probe FILE --write OUT` checks one against the "
                f"fabric and writes the rates it measured)")
         print(f"# slower than predicted: {', '.join(slow)}: {why}", file=out)
+        if mpi_library.startswith("Open MPI") and "OMPI_MCA_btl_tcp_eager_limit" not in os.environ:
+            print("# under Open MPI over TCP (its tcp BTL), ddl's pieces above the BTL's eager limit (64 KiB "
+                  "unless set) ran slower than the links: try `export OMPI_MCA_btl_tcp_eager_limit=1048576` "
+                  "before mpiexec (README, \"Another MPI\")", file=out)
 
 
 def plot(rows, path, title=""):

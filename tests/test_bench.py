@@ -363,6 +363,27 @@ def test_a_time_far_over_its_prediction_points_at_the_probe():
     assert notes(64 << 20, 1.4) == [] and notes(512 << 10, 3.0) == [] and notes(64 << 20, 3.0, "mpi") == []
 
 
+def test_a_slow_run_under_open_mpi_points_at_its_tcp_eager_limit(monkeypatch):
+    """ddl's pieces above Open MPI's TCP eager limit ran at 0.6 times the links' rate (README, "Another
+    MPI"); a slow run under Open MPI with the limit left alone says so, and only then."""
+    import io
+    from ddl.bench_report import print_summary
+
+    def hint(seconds, library="Open MPI v5.0.11, package: Open MPI"):
+        r = {"bytes": 64 << 20, "count": 16 << 20, "dtype": "float32", "op": "sum", "impl": "ddl",
+             "seconds": seconds, "algbw": 1e6, "busbw": 1e6, "wrong": 0, "algorithm": "ring",
+             "predicted_seconds": 1.0, "bound_seconds": 0.9}
+        out = io.StringIO()
+        print_summary([r], out, topology_file="cluster.yaml", mpi_library=library)
+        return [line for line in out.getvalue().splitlines() if "eager limit" in line]
+    monkeypatch.delenv("OMPI_MCA_btl_tcp_eager_limit", raising=False)
+    note, = hint(1.7)
+    assert "export OMPI_MCA_btl_tcp_eager_limit=1048576" in note and "Another MPI" in note
+    assert hint(1.2) == [] and hint(1.7, "MPICH Version:      5.0.2") == []
+    monkeypatch.setenv("OMPI_MCA_btl_tcp_eager_limit", "1048576")
+    assert hint(1.7) == []
+
+
 # ---- a job's ranks end together --------------------------------------------------------------------------
 def _descendants(pid):
     """Every process below ``pid`` (Linux /proc): MPI launchers start the ranks in sessions of their
