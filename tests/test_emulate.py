@@ -378,6 +378,30 @@ def test_open_mpi_places_every_rank_on_its_host_with_its_transport_on_the_emulat
     assert len(list(tmp_path.glob("ranks-*"))) == 2         # one host file per placement
 
 
+def test_intel_mpi_places_each_run_of_a_host_s_ranks_in_a_section_of_its_own(tmp_path, monkeypatch):
+    """Intel MPI's hydra places ranks by its own rule, not by a host list's slot counts (the self-check
+    caught rank 3 of [h0, h0, h1, h2] on h1): one ``-n N -host ADDR CMD`` section per run of consecutive
+    ranks places every rank, irregular placements too; its transport and settings go to every section."""
+    monkeypatch.setattr(launch, "find_launcher", lambda: ("mpiexec", launcher.INTEL_MPI))
+    topo = two_rack(interleaved=True)
+    cluster = _Unbuilt(topo, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        argv = launch.mpiexec_argv(cluster, ["prog", "-n", "1"], ["h0", "h0", "h1", "h2", "h0"], env={"X": "1"})
+    first = argv.index("-n")
+    assert argv[:first][:3] == ["mpiexec", "-iface", "eth0"] and "-hosts" not in argv and "-localhost" not in argv
+    sections = [argv[first:]]
+    while ":" in sections[-1]:
+        i = sections[-1].index(":")
+        sections[-1:] = [sections[-1][:i], sections[-1][i + 1:]]
+    address = {h: cluster.plan.host(h).address for h in ("h0", "h1", "h2")}
+    assert sections == [["-n", n, "-host", address[h], "prog", "-n", "1"]
+                        for h, n in (("h0", "2"), ("h1", "1"), ("h2", "1"), ("h0", "1"))]
+    env = _genv(argv[:first])
+    assert env["X"] == "1" and env["DDL_EMULATED_HOSTS"] == "h0,h0,h1,h2,h0"
+    assert {k: env[k] for k in launch.INTEL_MPI_TRANSPORT_ENV} == launch.INTEL_MPI_TRANSPORT_ENV
+
+
 def test_open_mpi_is_told_to_yield_when_the_job_outnumbers_the_cores(tmp_path, monkeypatch):
     """Each of its daemons sees only its host's ranks, so only the launch knows that all of them share
     this machine's cores; the environment's own setting stands."""
@@ -487,6 +511,19 @@ def test_run_refuses_open_mpi_options_it_sets_itself(fake_run, tmp_path, capsys,
         assert "built" not in fake_run
     assert main(["emulate", "run", str(path), "--", "--mca", "-n", "2", "-x", "-np", "prog", "-n", "3"]) == 0
     assert fake_run["cmd"] == ["--mca", "-n", "2", "-x", "-np", "prog", "-n", "3"]
+
+
+def test_run_refuses_intel_mpi_s_hydra_options_it_sets_itself(fake_run, tmp_path, capsys, monkeypatch):
+    from ddl.cli import main
+    monkeypatch.setattr(launch, "find_launcher", lambda: ("mpiexec", launcher.INTEL_MPI))
+    path = tmp_path / "small.json"
+    small("launcher").dump(path)
+    for words, option in ((["-genv", "A", "b", "-iface", "eth1"], "-iface"), (["-hosts", "a"], "-hosts")):
+        assert main(["emulate", "run", str(path), "--", *words, "prog"]) == 2
+        err = capsys.readouterr().err
+        assert f"ddl: error: {option} is set by ddl emulate run itself" in err and err.count("\n") == 1, err
+    assert main(["emulate", "run", str(path), "--", "-genv", "A", "-n", "prog", "-iface"]) == 0
+    assert fake_run["cmd"] == ["-genv", "A", "-n", "prog", "-iface"]
 
 
 def test_a_run_stopped_by_its_timeout_exits_124_not_as_a_user_error(fake_run, tmp_path, capsys, monkeypatch):

