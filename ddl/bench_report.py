@@ -117,8 +117,9 @@ def print_summary(rows, out, emulated=False, topology_file=None, mpi_library="")
     bound, saying why it can be there (``emulated``: the rows ran on an emulated cluster), and one on
     ddl's times far over their predictions, pointing at ``ddl topo probe`` (``topology_file``: the file
     the run planned on; None: ddl's flat default) and, under Open MPI (``mpi_library``, what
-    ``MPI_Get_library_version`` says) with its TCP BTL's eager limit left at its default, at that
-    limit (README, "Another MPI": ddl's pieces above it ran at 0.6 times the links' rate)."""
+    ``MPI_Get_library_version`` says) with its TCP BTL's eager limit and flags left at their
+    defaults, at that limit (README, "Another MPI": ddl's pieces above it ran at 0.6 times the links'
+    rate)."""
     bad = sum(r["wrong"] for r in rows)
     print(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
     by_impl = {}
@@ -155,7 +156,8 @@ def print_summary(rows, out, emulated=False, topology_file=None, mpi_library="")
                f"rank: give it the cluster's file (`ddl topo probe FILE --write OUT` checks one against the "
                f"fabric and writes the rates it measured)")
         print(f"# slower than predicted: {', '.join(slow)}: {why}", file=out)
-        if mpi_library.startswith("Open MPI") and "OMPI_MCA_btl_tcp_eager_limit" not in os.environ:
+        if mpi_library.startswith("Open MPI") and not any(
+                f"OMPI_MCA_btl_tcp_{name}" in os.environ for name in ("eager_limit", "flags")):
             print("# under Open MPI over TCP (its tcp BTL), ddl's pieces above the BTL's eager limit (64 KiB "
                   "unless set) ran slower than the links: try `export OMPI_MCA_btl_tcp_eager_limit=1048576` "
                   "before mpiexec (README, \"Another MPI\")", file=out)

@@ -382,6 +382,9 @@ def test_a_slow_run_under_open_mpi_points_at_its_tcp_eager_limit(monkeypatch):
     assert hint(1.2) == [] and hint(1.7, "MPICH Version:      5.0.2") == []
     monkeypatch.setenv("OMPI_MCA_btl_tcp_eager_limit", "1048576")
     assert hint(1.7) == []
+    monkeypatch.delenv("OMPI_MCA_btl_tcp_eager_limit")
+    monkeypatch.setenv("OMPI_MCA_btl_tcp_flags", "send,inplace,need-ack,need-csum")     # the other remedy
+    assert hint(1.7) == []
 
 
 # ---- a job's ranks end together --------------------------------------------------------------------------
