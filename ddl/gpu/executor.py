@@ -634,23 +634,16 @@ class NcclExecutor:
         key = (id(lp), stream.ptr, align_to % 16)
         entry = self._buffers.get(key)
         if entry is None or entry[0] is not lp:
-            rt = self.runtime
+            what = (f"the device workspace of this collective ({lp.scratch_bytes} B scratch, "
+                    f"{lp.work_bytes} B work)")
             mems = []
             scratch = work = 0
-            try:
-                if lp.scratch_bytes:
-                    m = rt.alloc(lp.scratch_bytes + 32, stream)
-                    mems.append(m)
-                    scratch = -(-m.ptr // 16) * 16 + align_to % 16
-                if lp.work_bytes:
-                    m = rt.alloc(lp.work_bytes + 32, stream)
-                    mems.append(m)
-                    work = -(-m.ptr // 16) * 16 + align_to % 16
-            except Error:
-                raise
-            except Exception as exc:   # e.g. cupy's OutOfMemoryError: a ddl error, announced to the peers
-                raise Error(f"cannot allocate the device workspace of this collective ({lp.scratch_bytes} B "
-                            f"scratch, {lp.work_bytes} B work): {type(exc).__name__}: {exc}") from exc
+            if lp.scratch_bytes:
+                m, scratch = self._alloc_aligned(lp.scratch_bytes, stream, align_to, what)
+                mems.append(m)
+            if lp.work_bytes:
+                m, work = self._alloc_aligned(lp.work_bytes, stream, align_to, what)
+                mems.append(m)
             entry = (lp, scratch, work, mems)
             self._buffers[key] = entry
             if len(self._buffers) > 8:
@@ -661,14 +654,22 @@ class NcclExecutor:
         """A device buffer of ``nbytes`` on ``stream`` for the divided copy of an AVG's input (see
         :func:`ddl.ops.divides_first`), at ``align_to`` mod 16 like the workspace; kept until the next
         call, so a collective still queued on the stream keeps its input."""
+        self._copy, ptr = self._alloc_aligned(nbytes, stream, align_to,
+                                              f"the device copy of this AVG's input ({nbytes} B)")
+        return ptr
+
+    def _alloc_aligned(self, nbytes, stream, align_to, what):
+        """``(memory, pointer)``: ``nbytes`` on ``stream`` from a pointer at ``align_to`` mod 16 (the
+        user's buffer's offset, so that kernels combining the two see the same alignment in both). A
+        failed allocation (e.g. cupy's OutOfMemoryError) becomes a ddl error naming ``what``, announced
+        to the peers."""
         try:
-            self._copy = self.runtime.alloc(nbytes + 32, stream)
+            m = self.runtime.alloc(nbytes + 32, stream)
         except Error:
             raise
         except Exception as exc:
-            raise Error(f"cannot allocate the device copy of this AVG's input ({nbytes} B): "
-                        f"{type(exc).__name__}: {exc}") from exc
-        return -(-self._copy.ptr // 16) * 16 + align_to % 16
+            raise Error(f"cannot allocate {what}: {type(exc).__name__}: {exc}") from exc
+        return m, -(-m.ptr // 16) * 16 + align_to % 16
 
     def _prepare(self, lp, kop, dt, op):
         """Have the runtime ready the kernels ``lp`` will launch (CuPy: compile them), once per plan."""
