@@ -183,9 +183,8 @@ def _hydra_argv(cluster, ssh, placement, settings):
     if not exact:
         warnings.warn("rank placement interleaves hosts irregularly: ranks of one host in different "
                       "runs will use loopback TCP, not shared memory", stacklevel=4)
-    genv = [a for k, v in {**TRANSPORT_ENV, **settings}.items() for a in ("-genv", k, str(v))]
     return ["-localhost", plan.host(placement[0]).address, "-launcher", "ssh", "-launcher-exec", str(ssh),
-            "-hosts", hosts, "-n", str(len(placement)), *genv]
+            "-hosts", hosts, "-n", str(len(placement)), *_genv({**TRANSPORT_ENV, **settings})]
 
 
 def _intel_mpi_argv(cluster, ssh, placement, settings, argv):
@@ -196,11 +195,16 @@ def _intel_mpi_argv(cluster, ssh, placement, settings, argv):
     name). Its proxies reach ``mpiexec`` at the first host's address on ``eth0`` (they would be given
     the host's name, which no emulated host can resolve)."""
     plan = cluster.plan
-    genv = [a for k, v in {**INTEL_MPI_TRANSPORT_ENV, **settings}.items() for a in ("-genv", k, str(v))]
     sections = []
     for host, count in _runs(placement):
         sections += [":", "-n", str(count), "-host", plan.host(host).address, *argv]
-    return ["-iface", "eth0", "-launcher", "ssh", "-launcher-exec", str(ssh), *genv, *sections[1:]]
+    return ["-iface", "eth0", "-launcher", "ssh", "-launcher-exec", str(ssh),
+            *_genv({**INTEL_MPI_TRANSPORT_ENV, **settings}), *sections[1:]]
+
+
+def _genv(variables):
+    """Hydra's words that give every rank ``variables``."""
+    return [a for k, v in variables.items() for a in ("-genv", k, str(v))]
 
 
 def _open_mpi_argv(cluster, ssh, placement, settings, oversubscribed):
