@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import ddl.simulate as simulate_module
 from ddl.errors import ScheduleError
 from ddl.schedule import Schedule, ScheduleBuilder
 from ddl.simulate import Outpaced, Simulation, load_seconds, max_min_rates, simulate
@@ -412,6 +413,26 @@ def test_a_ceiling_that_falls_during_the_run_stops_it_later():
         simulate(topo, ALGORITHMS["ring"](topo, "allreduce", nbytes=N), N, ceiling=ceiling)
     assert len(calls) == 20
     assert full.seconds / 2 < stopped.value.at_least <= full.seconds * (1 + 1e-9)
+
+
+@pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
+def test_a_stopped_run_leaves_its_bound_and_a_lower_ceiling_stops_at_once(monkeypatch):
+    # what stopped a run is remembered on the schedule: a later call whose ceiling is below that bound
+    # stops without simulating; without a ceiling it runs the schedule out, to no less than the bound
+    topo = Topology.load("topologies/fat-tree-4x4-r8.yaml")
+    N = 64e6
+    fast = simulate(topo, ALGORITHMS["hierarchical"](topo, "allreduce", nbytes=N), N).seconds
+    ring = ALGORITHMS["ring"](topo, "allreduce", nbytes=N)
+    with pytest.raises(Outpaced) as first:
+        simulate(topo, ring, N, ceiling=lambda: fast)
+    with monkeypatch.context() as m:
+        m.setattr(simulate_module._Run, "run", lambda self: pytest.fail("simulated again"))
+        for ceiling in (fast, fast / 2):
+            with pytest.raises(Outpaced) as again:
+                simulate(topo, ring, N, ceiling=lambda: ceiling)
+            assert again.value.at_least == first.value.at_least
+    full = simulate(topo, ring, N, ceiling=lambda: math.inf)
+    assert full.seconds >= first.value.at_least and simulate(topo, ring, N) is full
 
 
 @pytest.mark.skipif(ALGORITHMS is None, reason="ddl.algorithms not available")
