@@ -130,6 +130,23 @@ def test_pieces_double_while_predicted_faster(members, gap):
     assert t < 0.95 * simulate(topo, packing, N).seconds
 
 
+@pytest.mark.parametrize("members", [[0, 1, 4, 5], [0, 1, 2, 3, 7], [0, 4, 6, 7]])
+def test_variants_stopped_once_they_cannot_replace_change_no_choice(members, monkeypatch):
+    """A root trial or a doubling is simulated only until it provably cannot replace the schedule
+    kept: the schedule chosen is the one that running every variant out chooses, and a doubling
+    stopped so is at least as slow as it would have had to beat."""
+    topo = _zoo_dgx1_fragment(members)
+    sched, t, _ = planned(topo)
+    stopped = [d for d in sched.info["pipelines_tried"] if d["seconds"] is None]
+    kept = [d["seconds"] for d in sched.info["pipelines_tried"] if d["seconds"] is not None]
+    assert stopped and all(d["at_least"] >= 0.99 * min(kept) for d in stopped)   # (the last doubling here)
+    monkeypatch.setattr(rbt, "try_variant", lambda topo, sched, nbytes, beat=None: (simulate(topo, sched, nbytes).seconds, None))
+    full, t_full, _ = planned(_zoo_dgx1_fragment(members))
+    assert not [d for d in full.info["pipelines_tried"] if d["seconds"] is None]
+    assert (sched.programs, sched.pattern, t) == (full.programs, full.pattern, t_full)
+    assert [d["pieces"] for d in sched.info["pipelines_tried"]] == [d["pieces"] for d in full.info["pipelines_tried"]]
+
+
 def test_a_message_cost_keeps_the_pieces_fewer():
     """Charged per message, the deeper pipelines lose what they gain: fewer pieces are kept."""
     free = ALGORITHMS["reduce-broadcast-trees"](_zoo_dgx1_fragment([0, 1, 2, 3, 7]), "allreduce", nbytes=N)

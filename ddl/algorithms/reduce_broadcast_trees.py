@@ -40,7 +40,7 @@ from ..schedule import ScheduleBuilder
 from ..simulate import simulate
 from .ring import check_request
 from .tree_packing import DEFAULT_NBYTES, MAX_TRANSFERS, MIN_CHUNK_BYTES, pipeline_target
-from .variants import CHOOSE_VARIANTS_OPS, replaces
+from .variants import CHOOSE_VARIANTS_OPS, replaces, to_beat, tried, try_variant
 
 NAME = "reduce-broadcast-trees"
 MAX_RANKS = 64
@@ -177,7 +177,8 @@ def _roots_by_simulation(topo, sched, centres, rooted, weights, rate, target, nb
     other pairs evenly, not in the proportions the LP planned, and the root decides which direction's
     pieces wait on slow reductions. On the DGX-1's GPUs {0, 4, 6, 7} rooting the two trees that cross
     the PCIe/CPU path at gpu6 instead of gpu0 takes the 256 MiB allreduce from 1.18 to 1.02 of the
-    bound."""
+    bound. A trial is simulated only until it provably cannot replace the rooting kept
+    (:func:`~ddl.algorithms.variants.try_variant`)."""
     seconds = simulate(topo, sched, nbytes).seconds
     budget = ROOT_CHOICE_OPS
     total = sched.info["pieces"]
@@ -190,7 +191,8 @@ def _roots_by_simulation(topo, sched, centres, rooted, weights, rate, target, nb
                 return sched, seconds, rooted
             trial = rooted[:t] + [option] + rooted[t + 1:]
             other = _emit(sched.collective, sched.nranks, trial, weights, rate, total, target)
-            other_seconds = simulate(topo, other, nbytes).seconds
+            other_seconds, _ = try_variant(topo, other, nbytes, to_beat(other.nops, seconds, sched.nops,
+                                                                       topo.message_cost))
             if replaces(other_seconds, other.nops, seconds, sched.nops, topo.message_cost):
                 sched, seconds, rooted = other, other_seconds, trial
     return sched, seconds, rooted
@@ -226,20 +228,21 @@ def _deeper_while_faster(topo, sched, seconds, rooted, weights, rate, target, mo
     drains through twice the tree's depth: on the DGX-1's fragments (ranks {0, 1, 4, 5}, {0, 1, 2, 3, 7}
     and {0, 4, 6, 7}, PCIe and CPUs included) the pieces of about 8 per tree came to 1.13, 1.28 and
     1.46 of the bound at 256 MiB, 32 times as many to 1.01, 1.01 and 1.18 (the last 1.02 once its trees
-    are rooted as :func:`_roots_by_simulation` says)."""
+    are rooted as :func:`_roots_by_simulation` says). Each doubling is simulated only until it provably
+    cannot earn its margin."""
     kept, kept_seconds = sched, seconds
-    tried = [(sched, kept_seconds)]
+    attempts = [tried(seconds, None, pieces=sched.info["pieces"], operations=sched.nops)]
     total = sched.info["pieces"]
     while total < most:
         total = min(2 * total, most)
         other = _emit(sched.collective, sched.nranks, rooted, weights, rate, total, target)
         if other.nops > CHOOSE_VARIANTS_OPS:
             break
-        seconds = simulate(topo, other, nbytes).seconds
-        tried.append((other, seconds))
+        seconds, at_least = try_variant(topo, other, nbytes, to_beat(other.nops, kept_seconds, kept.nops,
+                                                                     topo.message_cost))
+        attempts.append(tried(seconds, at_least, pieces=other.info["pieces"], operations=other.nops))
         if not replaces(seconds, other.nops, kept_seconds, kept.nops, topo.message_cost):
             break
         kept, kept_seconds = other, seconds
-    kept.info["pipelines_tried"] = [{"pieces": s.info["pieces"], "operations": s.nops, "seconds": t}
-                                    for s, t in tried]
+    kept.info["pipelines_tried"] = attempts
     return kept
