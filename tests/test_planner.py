@@ -78,6 +78,27 @@ def test_stopping_losers_early_changes_no_choice(name, workers, monkeypatch):
         assert secs == full.baselines[other]
 
 
+def test_tree_packing_is_built_last_told_the_time_to_beat(monkeypatch):
+    # it simulates variants of its own: built after the others were simulated, it is told the
+    # fastest of them, stops once it cannot win, and the plan reports it stopped (the exhaustive plan
+    # tells it nothing, and builds it with the others)
+    from ddl.algorithms import ALGORITHMS, TAKES_BEAT
+    assert "tree-packing" in TAKES_BEAT
+    told, build = [], ALGORITHMS["tree-packing"]
+
+    def spy(*args, beat=None, **kw):
+        told.append(beat)
+        return build(*args, beat=beat, **kw)
+
+    monkeypatch.setitem(ALGORITHMS, "tree-packing", spy)
+    plan = _planner("fat-tree-4x4-r8").plan("allreduce", 256 << 20)
+    assert plan.algorithm != "tree-packing" and told == [plan.predicted_seconds]
+    assert plan.predicted_seconds < plan.outpaced["tree-packing"] <= _exhaustive_plan("fat-tree-4x4-r8").baselines["tree-packing"]
+    told.clear()
+    _planner("fat-tree-4x4-r8").plan("allreduce", 1 << 20, exhaustive=True)
+    assert told == [None]
+
+
 def test_an_algorithm_asked_for_by_name_is_compared_with_every_other_in_full():
     plan = _planner("fat-tree-4x4-r8").plan("allreduce", 256 << 20, "ring")
     assert plan.algorithm == "ring" and not plan.outpaced

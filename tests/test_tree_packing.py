@@ -11,10 +11,10 @@ import pytest
 from ddl.algorithms import arborescence as arb
 from ddl.algorithms.arborescence import min_arborescence, pack_arborescences
 from ddl.algorithms.tree_packing import tree_packing
-from ddl.algorithms.variants import replaces
+from ddl.algorithms.variants import MIN_VARIANT_GAIN, replaces
 from ddl.bounds import bandwidth_bound, cut_bound, cut_bound_graph, lower_bound
 from ddl.errors import PlanError
-from ddl.simulate import simulate
+from ddl.simulate import Outpaced, simulate
 from ddl.topology import Topology
 from ddl.verify import verify
 from test_bounds import DGX1_DOUBLE, DGX1_SINGLE
@@ -335,6 +335,30 @@ def test_direct_link_trees_decline_without_a_sub_fabric():
                     [f"g{i}" for i in range(3)])
     with pytest.raises(PlanError, match="would repeat tree-packing"):
         tp.direct_link_trees(mesh, "allreduce", nbytes=N)
+
+
+@pytest.mark.parametrize("make", [asymmetric, lambda: star(5)])
+def test_the_planners_time_to_beat_changes_no_choice(make):
+    """Told the time the planner's fastest candidate takes (``beat``), tree-packing stops simulating
+    its pipelines once they provably cannot win. Where the packing can win, it returns the schedule it
+    returns without ``beat`` (deeper on the asymmetric ring, where it earns its messages, the shallow
+    one on the star); where it cannot, one whose simulation stopped, with a bound that is above
+    ``beat`` and no more than the time the schedule chosen without ``beat`` takes."""
+    topo = make()
+    full = tree_packing(topo, "allreduce", nbytes=N)
+    t = simulate(topo, full, N).seconds
+    for beat in (0.5 * t, 0.999 * t, t, 1.001 * t, 2 * t):
+        sched = tree_packing(topo, "allreduce", nbytes=N, beat=beat)
+        verify(sched)
+        if t <= beat:
+            assert (sched.info["pipeline"], sched.nops) == (full.info["pipeline"], full.nops), beat
+            assert simulate(topo, sched, N, ceiling=lambda: beat).seconds == t
+        else:
+            with pytest.raises(Outpaced) as stopped:
+                simulate(topo, sched, N, ceiling=lambda: beat)
+            assert beat < stopped.value.at_least <= t * (1 + 1e-9), beat
+        for tried in sched.info["pipelines_tried"]:   # each run out, or stopped above the time it had to beat
+            assert tried["seconds"] is not None or tried["at_least"] > min(beat, (1 - MIN_VARIANT_GAIN) * t)
 
 
 def test_deeper_pipeline_kept_only_where_it_earns_its_messages():

@@ -66,7 +66,11 @@ REDUNDANT = {
     "tiered-exchange": repeats_doubling,
 }
 
-__all__ = ["ALGORITHMS", "REDUNDANT", "delegated", "delegated_schedule", "ring", "ring_channels", "ring_packing", "halving_doubling",
+# Algorithms that take the time the planner's fastest candidate so far takes (``beat=seconds``) and
+# stop simulating their own variants once those provably cannot win: the planner builds them after
+# the others have been simulated, so that they know it (see Planner._plan).
+TAKES_BEAT = frozenset({"tree-packing", "direct-link-trees"})
+__all__ = ["ALGORITHMS", "REDUNDANT", "TAKES_BEAT", "delegated", "delegated_schedule", "ring", "ring_channels", "ring_packing", "halving_doubling",
            "double_binary_tree", "hierarchical", "multicommodity_flow", "tree_packing", "direct_link_trees",
            "reduce_broadcast_trees", "recursive_doubling", "ring_order", "ring_schedule",
            "halving_doubling_schedule", "recursive_doubling_schedule", "dbt_schedule", "hierarchical_schedule",

@@ -84,7 +84,7 @@ from ..schedule import ScheduleBuilder
 from ..simulate import simulate
 from ..units import whole_number
 from .arborescence import pack_arborescences
-from .variants import CHOOSE_VARIANTS_OPS, replaces
+from .variants import CHOOSE_VARIANTS_OPS, replaces, to_beat, tried, try_variant
 
 NAME = "tree-packing"
 DIRECT = "direct-link-trees"
@@ -251,19 +251,20 @@ def direct_links(topo):
     return nx.freeze(direct), None
 
 
-def direct_link_trees(topo, collective, *, root=0, nbytes=None):
+def direct_link_trees(topo, collective, *, root=0, nbytes=None, beat=None):
     """:func:`tree_packing` over the links that join two ranks directly (:func:`direct_links`) and
     nothing else: Blink's NVLink-only trees. Where slower shared paths (PCIe switches, CPUs) add a
     little bandwidth, the full packing needs many more trees to use it, and trees that share links
     lose to fair sharing what the LP gained (DGX-1 at 256 MiB: 232 trees predicted at 1.091 times the
     bound, against 52 trees at 1.079); the planner's simulation decides. Raises PlanError where there
     is no such sub-fabric."""
-    return tree_packing(topo, collective, root=root, nbytes=nbytes, direct=True)
+    return tree_packing(topo, collective, root=root, nbytes=nbytes, direct=True, beat=beat)
 
 
-def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
+def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False, beat=None):
     """Schedule ``collective`` on ``topo`` over an optimal packing of spanning trees (module docstring);
-    ``direct``: over :func:`direct_links` only (see :func:`direct_link_trees`).
+    ``direct``: over :func:`direct_links` only (see :func:`direct_link_trees`); ``beat``: the time the
+    planner's fastest candidate takes (see :func:`_deeper_if_faster`).
 
     Raises :class:`ddl.PlanError` for an unknown collective, a bad root, more than :data:`MAX_RANKS`
     ranks, or a packing too fine-grained to run (:data:`MAX_PLAN_TRANSFERS`)."""
@@ -365,25 +366,40 @@ def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False):
     sched = build(target)
     deeper = min(MAX_PIPELINE, int(seconds / MIN_STEP_SECONDS))
     if sized and deeper > target:
-        sched = _deeper_if_faster(topo, sched, build(deeper), nbytes)
+        sched = _deeper_if_faster(topo, sched, build(deeper), nbytes, beat)
     return sched
 
 
-def _deeper_if_faster(topo, sched, deeper, nbytes):
+def _deeper_if_faster(topo, sched, deeper, nbytes, beat=None):
     """``deeper`` (the same trees, more sub-chunks, steps of at least MIN_STEP_SECONDS) where it is
     predicted faster by the margin that more messages must earn (:mod:`ddl.algorithms.variants`),
     else ``sched``; both small enough to simulate in a moment. A packing fills and drains for about
     one pipeline step at each end; on the heterogeneous cluster, whose T4 hosts' NICs wait for the
     first step's sums, 32 sub-chunks per tree are predicted 1.7% faster than 15 (88.4 ms against
-    89.9 ms at 256 MiB)."""
+    89.9 ms at 256 MiB).
+
+    ``deeper`` is simulated only until it provably cannot earn that margin, and with ``beat`` (the
+    time the planner's fastest candidate so far takes) both only until they provably cannot win the
+    plan: then the one with the lower bound is returned, its simulation stopped (the planner's own
+    stops at once, see :func:`ddl.simulate.simulate`), and the choice is the one full simulations give."""
     if deeper.nops <= sched.nops or deeper.nops > CHOOSE_VARIANTS_OPS:
         return sched
-    tried = [(s, simulate(topo, s, nbytes).seconds) for s in (sched, deeper)]
-    (kept, kept_seconds), (other, seconds) = tried
-    if replaces(seconds, other.nops, kept_seconds, kept.nops, topo.message_cost):
-        kept = other
-    kept.info["pipelines_tried"] = [{"pipeline": s.info["pipeline"], "operations": s.nops, "seconds": t}
-                                    for s, t in tried]
+    cost = topo.message_cost
+    seconds, at_least = try_variant(topo, sched, nbytes, beat)
+    if seconds is not None:
+        other, other_least = try_variant(topo, deeper, nbytes, to_beat(deeper.nops, seconds, sched.nops, cost))
+    else:                      # sched cannot win the plan, nor deeper unless it is faster than that
+        other, other_least = try_variant(topo, deeper, nbytes, beat)
+        if other is not None and not replaces(other, deeper.nops, at_least, sched.nops, cost):
+            seconds, at_least = try_variant(topo, sched, nbytes)    # it may or may not beat sched: run sched out
+    if seconds is not None:
+        kept = deeper if replaces(other, deeper.nops, seconds, sched.nops, cost) else sched
+    elif other is not None:
+        kept = deeper          # faster than sched can be, by the margin
+    else:                      # neither can win the plan: the lower bound holds for whichever would be kept
+        kept = sched if at_least <= other_least else deeper
+    kept.info["pipelines_tried"] = [tried(seconds, at_least, pipeline=sched.info["pipeline"], operations=sched.nops),
+                                    tried(other, other_least, pipeline=deeper.info["pipeline"], operations=deeper.nops)]
     return kept
 
 
