@@ -287,7 +287,7 @@ class Planner:
         prune = algorithm == AUTO and not exhaustive
         margin = FLAT_MESSAGE_MARGIN if self.topo.source == FLAT_SOURCE else 0.0
         # On one core, those that simulate variants of their own and can stop them once they cannot win
-        # come second, told the time to beat (the leaf-spine cluster at 256 MiB: 25 s instead of 57 s).
+        # come second, told the time to beat (the leaf-spine cluster at 256 MiB: 23 s instead of 66 s).
         # With workers they are built beside the others instead: alone in a second round, the time the
         # packing's LP takes is no longer spent beside the other builds (16 GPUs: 20 s instead of 13 s)
         later = [name for name in names if prune and nbytes and name in TAKES_BEAT and not _can_fork(self.workers, 2)]
