@@ -349,10 +349,11 @@ class Planner:
         their order. With more than one worker, each is built in a forked process: the algorithms
         that simulate variants of their own to choose among them (tree-packing, Blink's trees) take
         most of a small cluster's plan, each on its own (the leaf-spine cluster at 256 MiB: 32 s and
-        19 s of a 56 s plan on one core). ``beat``: see :data:`ddl.algorithms.TAKES_BEAT`."""
-        if not _can_fork(self.workers, len(names)):
+        19 s of a 56 s plan on one core). ``beat`` (see :data:`ddl.algorithms.TAKES_BEAT`): built here,
+        one after the other, as on one core, the only place the planner gives it."""
+        if beat is not None or not _can_fork(self.workers, len(names)):
             return {name: self._built(name, collective, nbytes, root, beat) for name in names}
-        with _forked_workers(self.workers, len(names), (self, collective, nbytes, root, beat)) as pool:
+        with _forked_workers(self.workers, len(names), (self, collective, nbytes, root)) as pool:
             futures = {name: pool.submit(_build_forked, name) for name in names}
             return {name: future.result() for name, future in futures.items()}
 
@@ -520,8 +521,8 @@ def _forked_workers(workers, jobs, shared):
 
 def _build_forked(name):
     """A candidate built in a forked worker (see :meth:`Planner._build_all`)."""
-    planner, collective, nbytes, root, beat = _FORKED
-    return planner._built(name, collective, nbytes, root, beat)
+    planner, collective, nbytes, root = _FORKED
+    return planner._built(name, collective, nbytes, root)
 
 
 def _fewest_messages(candidates, fastest, margin):
