@@ -56,7 +56,9 @@ def test_slow_hosts_move_the_bound_bytes_each_way_and_upload_to_one_rank(nbytes)
     if nbytes == 4096:          # latency-bound: the first base alone, not simulated
         assert sched.info["core_algorithm"] == "hierarchical" and "variants_tried" not in sched.info
     if nbytes == 64 << 20:      # both bases tried, the faster composition kept
-        tried = {v["core_algorithm"]: v["seconds"] for v in sched.info["variants_tried"]}
+        # (one stopped once it provably could not win says how slow it is at least)
+        tried = {v["core_algorithm"]: v["seconds"] if v["seconds"] is not None else v["at_least"]
+                 for v in sched.info["variants_tried"]}
         assert set(tried) == {"tree-packing", "hierarchical"} and sched.info["core_algorithm"] == min(tried, key=tried.get)
         assert simulate(topo, sched, n).seconds == pytest.approx(min(tried.values()))
         assert min(tried.values()) <= 1.02 * lower_bound(topo, "allreduce", n).seconds

@@ -52,8 +52,8 @@ so a slow host cannot stand in for its ranks with one sum.
 from ..bounds import lower_bound
 from ..errors import PlanError
 from ..schedule import RECV, REDUCE, SEND, Op, Schedule
-from ..simulate import simulate
 from .ring import check_request
+from .variants import tried, try_variant
 
 NAME = "delegated"
 SUPPORTED = ("allreduce",)
@@ -233,8 +233,9 @@ def delegated_schedule(base, core, slow, delegates, nbytes=None):
 
 def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
     """Slow hosts reduce at home and delegate to a core planned by ``bases`` (see the module
-    docstring); the composed schedule that simulates fastest at ``nbytes`` (without a size, or at a
-    size where the bound is latency's, the first base that plans the core)."""
+    docstring); the composed schedule that simulates fastest at ``nbytes``, each after the first
+    simulated only until it provably cannot be (:func:`~ddl.algorithms.variants.try_variant`); without
+    a size, or at a size where the bound is latency's, the first base that plans the core."""
     check_request(NAME, collective, topo.nranks, root, SUPPORTED)
     slow, core = slow_hosts(topo)
     bound = lower_bound(topo, collective, nbytes) if nbytes else None
@@ -248,7 +249,7 @@ def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
     for ranks in slow:
         delegates.append([order[(k + j) % len(order)] for j in range(len(ranks))])
         k += len(ranks)
-    kept, tried, reasons = None, [], {}
+    kept, attempts, reasons = None, [], {}
     for name in bases:
         try:
             base = ALGORITHMS[name](core_topo, "allreduce", nbytes=nbytes)
@@ -258,11 +259,11 @@ def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
         sched = delegated_schedule(base, core, slow, delegates, nbytes)
         if first_only:
             return sched
-        seconds = simulate(topo, sched, nbytes).seconds
-        tried.append({"core_algorithm": name, "operations": sched.nops, "seconds": seconds})
-        if kept is None or seconds < kept[0]:
+        seconds, at_least = try_variant(topo, sched, nbytes, None if kept is None else kept[0])
+        attempts.append(tried(seconds, at_least, core_algorithm=name, operations=sched.nops))
+        if kept is None or seconds is not None and seconds < kept[0]:
             kept = (seconds, sched)
     if kept is None:
         raise PlanError(f"{NAME}: no base plans the core: {reasons}")
-    kept[1].info["variants_tried"] = tried
+    kept[1].info["variants_tried"] = attempts
     return kept[1]

@@ -202,7 +202,10 @@ allow three, 1.037). More waves are more messages, which the
 simulator charges nothing for unless the file gives a ``message_cost``: a variant with more
 operations replaces the one kept so far only where it is predicted 1% faster (see
 :mod:`ddl.algorithms.variants`); one with no more (fewer tiers, or the exchange: as many messages as
-the rings) wherever it is faster.
+the rings) wherever it is faster. Each variant after the first is simulated only until it provably
+cannot replace the one kept; leaders exchanging at the first stage take the waves of the fastest
+leaders by ring, so a ring variant stopped short is run out where its bound leaves it a chance of
+being that fastest, and none is where the exchange's busiest link alone is slower than the one kept.
 """
 import math
 from itertools import combinations
@@ -214,7 +217,7 @@ from ..schedule import ScheduleBuilder
 from ..simulate import link_totals, load_seconds, simulate
 from .ring import (MAX_PIPELINE, MAX_SCHEDULE_OPS, check_request, nested_order, pipeline_depth, rank_partitions,
                    ring_allgather, ring_reduce_scatter)
-from .variants import CHOOSE_VARIANTS_OPS, replaces
+from .variants import CHOOSE_VARIANTS_OPS, replaces, to_beat, tried, try_variant
 
 NAME = "hierarchical"
 # With several stages, chunks go down to this size so that there are waves to overlap ...
@@ -668,23 +671,25 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         return sorted({depth(tiers, most=most, steep=steep, **kw) for most in caps for steep in ramps})
 
     def funnels(tiers, balanced, shares=None):
-        """The first stages (by ring ``()``, then exchanging ``(1,)`` where its groups have more than two
-        ranks) with which leaders (see Leaders) load no link of ``topo`` more than a share per rank does,
-        on ``tiers``' stages; none where leaders by ring already do. One-chunk schedules compared link by
-        link (the bytes on a link do not depend on the waves or the spans); a share per rank's once."""
+        """``{first stage: seconds}``: the first stages (by ring ``()``, then exchanging ``(1,)`` where its
+        groups have more than two ranks) with which leaders (see Leaders) load no link of ``topo`` more
+        than a share per rank does, on ``tiers``' stages, each with its busiest link's time, a bound on
+        theirs whatever their waves; none where leaders by ring already do. One-chunk schedules compared
+        link by link (the bytes on a link do not depend on the waves or the spans); a share per rank's once."""
         staged = stage_partitions(p, tiers)
         if collective != "allreduce" or max(len(g) for g in staged[0]) < 2:
-            return ()
+            return {}
 
         def load(leaders, exchange=()):
             return load_seconds(topo, hierarchical_schedule(order, tiers, collective, span_pieces=1, exchange=exchange,
                                                             balanced=balanced, leaders=leaders,
-                                                            shares=shares), 1 << 20)
-        regular, fits = load(False), []
+                                                            shares=shares), nbytes)
+        regular, fits = load(False), {}
         for exchange in ((), (1,)) if max(len(g) for g in staged[0]) > 2 else ((),):
-            if load(True, exchange) > regular * (1 + 1e-9):
+            fits[exchange] = load(True, exchange)
+            if fits[exchange] > regular * (1 + 1e-9):
+                del fits[exchange]
                 break
-            fits.append(exchange)
         return fits
 
     tier_sets = _tier_sets(p, parts)
@@ -693,26 +698,45 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
     ramps = (True, False)               # steep, then not (see Floors)
     depths = sorted({wave_depth(nbytes, pieces, most_ops, most, steep, budget)
                      for most in WAVE_CAPS for steep in ramps})
-    tried, kept = [], None
+    attempts, kept = [], None
 
     def consider(tiers, k, lift, exchange=(), balanced=False, leaders=False, margin=False, shares=None):
-        """Build and simulate a variant; keep it if it replaces the one kept (with ``margin``, only if
-        :data:`~ddl.algorithms.variants.MIN_VARIANT_GAIN` faster, whatever its messages)."""
+        """Build a variant and simulate it until it provably cannot replace the one kept (with ``margin``,
+        only if :data:`~ddl.algorithms.variants.MIN_VARIANT_GAIN` faster, whatever its messages); keep it
+        if it does. Returns its entry in the variants tried and its schedule."""
         nonlocal kept
         sched = build(tiers, k, lift, exchange, balanced, leaders, shares)
-        seconds = simulate(topo, sched, nbytes).seconds
+        beat = None if kept is None else to_beat(sched.nops, kept[0], kept[2].nops, topo.message_cost, margin)
+        seconds, at_least = try_variant(topo, sched, nbytes, beat)
         k, lift = sched.info["chunks_per_target"], sched.info["lift"]      # (fewer where the budget says so)
-        tried.append({"stages": [len(g) for g in stage_partitions(p, tiers)], "waves": k, "lift": lift,
-                      "exchange": list(exchange), "wave_parts": sched.info["wave_parts"], "balanced": balanced,
-                      "leaders": leaders, "shares": None if shares is None else list(shares), "operations": sched.nops,
-                      "seconds": seconds})
+        attempts.append(tried(seconds, at_least, stages=[len(g) for g in stage_partitions(p, tiers)], waves=k,
+                              lift=lift, exchange=list(exchange), wave_parts=sched.info["wave_parts"],
+                              balanced=balanced, leaders=leaders, shares=None if shares is None else list(shares),
+                              operations=sched.nops))
         if kept is None or replaces(seconds, sched.nops, kept[0], kept[2].nops, topo.message_cost, margin):
             kept = (seconds, tiers, sched)
-        return seconds
+        return attempts[-1], sched
+
+    def fastest(considered):
+        """The ``(seconds, key)`` least of ``considered``, ``[((entry, schedule), key)]`` from
+        :func:`consider`, as full simulations would find it: a variant stopped short is run out only
+        where its bound leaves it a chance of being the fastest (its entry then gets the time)."""
+        known = [(entry["seconds"], key) for (entry, _), key in considered if entry["seconds"] is not None]
+        stopped = sorted(((entry["at_least"], key, entry, sched) for (entry, sched), key in considered
+                          if entry["seconds"] is None), key=lambda s: s[:2])
+        for at_least, key, entry, sched in stopped:
+            if known and at_least > min(known)[0]:
+                break
+            entry["seconds"] = simulate(topo, sched, nbytes).seconds
+            del entry["at_least"]
+            known.append((entry["seconds"], key))
+        return min(known)
 
     def consider_leaders(tiers, balanced, caps, ramps, shares=None):
         """Leaders on ``tiers``' stages, where they load no link more (see Leaders): with the most waves
-        under each of ``caps`` on each of ``ramps``, then exchanging to the leaders with the fastest."""
+        under each of ``caps`` on each of ``ramps``, then exchanging to the leaders with the fastest, where
+        its busiest link leaves it a chance (a variant whose link alone takes longer than the one kept
+        cannot replace it, and the fastest by ring then need not be known)."""
         fits = funnels(tiers, balanced, shares)
         if not fits:
             return
@@ -720,10 +744,11 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         def led(k, lift, exchange=()):       # replacing a share per rank takes the margin (see Leaders)
             return consider(tiers, k, lift, exchange, balanced, True,
                             margin=kept is not None and not kept[2].info["leaders"], shares=shares)
-        fastest = min((led(*kl), kl) for kl in depths_under(caps, ramps, tiers, balanced=balanced, leaders=True,
-                                                              shares=shares))
-        if (1,) in fits:
-            led(*fastest[1], (1,))
+        by_ring = [(led(*kl), kl) for kl in depths_under(caps, ramps, tiers, balanced=balanced, leaders=True,
+                                                         shares=shares)]
+        if (1,) in fits and fits[(1,)] <= kept[0] * (1 + 1e-9):     # else its busiest link alone makes it slower
+            _, (k, lift) = fastest(by_ring)
+            led(k, lift, (1,))
 
     def consider_weighted(tiers):
         """Shares weighted by :func:`weighted_shares`, exchanging directly at the top stage (as well as
@@ -764,7 +789,7 @@ def hierarchical(topo, collective, *, root=0, nbytes=None):
         info = kept[2].info
         consider_leaders(kept[1], info["balanced"], WAVE_CAPS, ramps,          # then leaders
                          None if info["shares"] is None else tuple(info["shares"]))
-    kept[2].info["variants_tried"] = tried
+    kept[2].info["variants_tried"] = attempts
     return kept[2]
 
 
