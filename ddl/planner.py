@@ -270,6 +270,7 @@ class Planner:
 
     def _plan(self, collective, nbytes, algorithm, root, exhaustive):
         from .algorithms import REDUNDANT, TAKES_BEAT
+        from .algorithms.tree_packing import MAX_RANKS as PACKING_MAX_RANKS
         from .bounds import lower_bound
 
         built = {}
@@ -288,8 +289,11 @@ class Planner:
         margin = FLAT_MESSAGE_MARGIN if self.topo.source == FLAT_SOURCE else 0.0
         # On one core, those that simulate variants of their own and can stop them once they cannot win
         # come second, told the time to beat (the leaf-spine cluster at 256 MiB: 23 s instead of 66 s).
-        # With workers they are built beside the others instead: alone in a second round, the time the
-        # packing's LP takes is no longer spent beside the other builds (16 GPUs: 20 s instead of 13 s)
+        # With workers they are built beside the others instead, started last and told the fastest time
+        # the workers have simulated so far as it falls (see _build_all): alone in a second round, the
+        # packing's LP would no longer overlap the other builds (16 GPUs: 20 s instead of 13 s). Only
+        # where a packing can be built: the workers' race costs the overlap of the winner's proof with
+        # the other simulations (1024 ranks: 43 and 48 s without it, 51 and 53 s with it)
         later = [name for name in names if prune and nbytes and name in TAKES_BEAT and not _can_fork(self.workers, 2)]
         predicted, outpaced, proved = {}, {}, {}
         for group in ([n for n in names if n not in later], later):
@@ -297,7 +301,10 @@ class Planner:
                 continue
             so_far = min((sim.seconds for sim in predicted.values()), default=math.inf)
             beat = so_far * (1.0 + margin) if group is later and so_far < math.inf else None
-            made = self._built_group(group, collective, nbytes, root, algorithm, skipped, beat)
+            race = prune and nbytes and self.topo.nranks <= PACKING_MAX_RANKS and not TAKES_BEAT.isdisjoint(group)
+            made, raced = self._built_group(group, collective, nbytes, root, algorithm, skipped, beat,
+                                            1.0 + margin if race else None)
+            so_far = min(so_far, raced)
             built.update(made)
             sims, stopped, proofs = _predict(self.topo, made, nbytes, self.workers, prune, 1.0 + margin, so_far)
             predicted.update(sims)
@@ -329,11 +336,13 @@ class Planner:
         return Plan(collective, nbytes, chosen, sched, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, baselines, verified, reason, tuple(sim.busiest), skipped, outpaced)
 
-    def _built_group(self, names, collective, nbytes, root, algorithm, skipped, beat=None):
-        """``{name: Schedule}`` of ``names`` that built; why the others did not goes into ``skipped``
-        (the requested ``algorithm``'s invalid schedule is raised)."""
+    def _built_group(self, names, collective, nbytes, root, algorithm, skipped, beat=None, slack=None):
+        """``({name: Schedule}, fastest)`` of ``names`` that built (``fastest``: see :meth:`_build_all`);
+        why the others did not goes into ``skipped`` (the requested ``algorithm``'s invalid schedule is
+        raised)."""
         built = {}
-        for name, sched in self._build_all(names, collective, nbytes, root, beat).items():
+        made, fastest = self._build_all(names, collective, nbytes, root, beat, slack)
+        for name, sched in made.items():
             if isinstance(sched, PlanError):
                 skipped[name] = str(sched)
             elif isinstance(sched, ScheduleError):   # an algorithm's bug must not stop the others: said, not hidden
@@ -342,20 +351,33 @@ class Planner:
                 skipped[name] = f"built an invalid schedule, a bug to report: {sched}"
             else:
                 built[name] = sched
-        return built
+        return built, fastest
 
-    def _build_all(self, names, collective, nbytes, root, beat=None):
-        """``{name: its Schedule, or the PlanError or ScheduleError that stopped it}`` for ``names``, in
-        their order. With more than one worker, each is built in a forked process: the algorithms
-        that simulate variants of their own to choose among them (tree-packing, Blink's trees) take
-        most of a small cluster's plan, each on its own (the leaf-spine cluster at 256 MiB: 32 s and
-        19 s of a 56 s plan on one core). ``beat`` (see :data:`ddl.algorithms.TAKES_BEAT`): built here,
-        one after the other, as on one core, the only place the planner gives it."""
+    def _build_all(self, names, collective, nbytes, root, beat=None, slack=None):
+        """``({name: its Schedule, or the PlanError or ScheduleError that stopped it}, fastest)`` for
+        ``names``, in their order. With more than one worker, each is built in a forked process: the
+        algorithms that simulate variants of their own to choose among them (tree-packing, Blink's
+        trees) take most of a small cluster's plan, each on its own (the leaf-spine cluster at 256 MiB:
+        32 s and 19 s of a 56 s plan on one core). ``beat`` (see :data:`ddl.algorithms.TAKES_BEAT`):
+        built here, one after the other, as on one core.
+
+        ``slack`` (a plan that stops the candidates that cannot win): the workers also simulate each
+        candidate they build, stopped once it exceeds ``slack`` times the fastest time so far, which
+        they share, and the algorithms of TAKES_BEAT, started last, are told that time as it falls (a
+        packing's variants stop once they cannot win the plan, while the other candidates are still
+        built beside it). The simulations stay on the schedules (see :func:`ddl.simulate.simulate`),
+        so the planner's own are given at once; ``fastest`` is the least time simulated (infinite
+        when none was)."""
         if beat is not None or not _can_fork(self.workers, len(names)):
-            return {name: self._built(name, collective, nbytes, root, beat) for name in names}
-        with _forked_workers(self.workers, len(names), (self, collective, nbytes, root)) as pool:
-            futures = {name: pool.submit(_build_forked, name) for name in names}
-            return {name: future.result() for name, future in futures.items()}
+            return {name: self._built(name, collective, nbytes, root, beat) for name in names}, math.inf
+        from .algorithms import TAKES_BEAT
+
+        fastest = multiprocessing.Value("d", math.inf) if slack is not None else None
+        order = [n for n in names if n not in TAKES_BEAT] + [n for n in names if n in TAKES_BEAT]
+        with _forked_workers(self.workers, len(names), (self, collective, nbytes, root, fastest, slack)) as pool:
+            futures = {name: pool.submit(_build_forked, name) for name in order}
+            made = {name: futures[name].result() for name in names}
+        return made, fastest.value if fastest is not None else math.inf
 
     def _built(self, name, collective, nbytes, root, beat=None):
         """:meth:`_build`, or the PlanError or ScheduleError it raised."""
@@ -520,9 +542,24 @@ def _forked_workers(workers, jobs, shared):
 
 
 def _build_forked(name):
-    """A candidate built in a forked worker (see :meth:`Planner._build_all`)."""
-    planner, collective, nbytes, root = _FORKED
-    return planner._built(name, collective, nbytes, root)
+    """A candidate built in a forked worker and, in a race, simulated there (see :meth:`Planner._build_all`)."""
+    planner, collective, nbytes, root, fastest, slack = _FORKED
+    if fastest is None:
+        return planner._built(name, collective, nbytes, root)
+
+    def ceiling():
+        return fastest.value * slack
+    sched = planner._built(name, collective, nbytes, root, ceiling)
+    if isinstance(sched, Schedule):
+        try:
+            result = simulate(planner.topo, sched, nbytes, ceiling)
+        except Outpaced:
+            return sched                        # (its bound stays on it)
+        except ScheduleError:
+            return sched                        # raised where the planner simulates it, as before
+        with fastest.get_lock():
+            fastest.value = min(fastest.value, result.seconds)
+    return sched
 
 
 def _fewest_messages(candidates, fastest, margin):

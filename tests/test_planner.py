@@ -99,6 +99,29 @@ def test_tree_packing_is_built_last_told_the_time_to_beat(monkeypatch):
     assert told == [None]
 
 
+def test_with_workers_tree_packing_is_told_the_fastest_time_as_it_falls(monkeypatch, tmp_path):
+    # With two workers every candidate is built and simulated in a forked process, and tree-packing,
+    # started last, beside the others, is told the fastest time the workers have simulated so far (a
+    # function: it falls while the packing is built). The choice is the exhaustive plan's.
+    from ddl.algorithms import ALGORITHMS
+    build, seen = ALGORITHMS["tree-packing"], tmp_path / "told"
+
+    def spy(*args, beat=None, **kw):       # (runs in a worker: what it was told goes through a file)
+        seen.write_text(repr(beat() if callable(beat) else beat))
+        return build(*args, beat=beat, **kw)
+
+    monkeypatch.setitem(ALGORITHMS, "tree-packing", spy)
+    plan = _planner("fat-tree-4x4-r8", workers=2).plan("allreduce", 256 << 20)
+    told = float(seen.read_text())
+    times = {plan.algorithm: plan.predicted_seconds, **plan.baselines}
+    assert told in times.values() and told >= plan.predicted_seconds      # a time some candidate takes
+    full = _exhaustive_plan("fat-tree-4x4-r8")
+    assert (plan.algorithm, plan.predicted_seconds) == (full.algorithm, full.predicted_seconds)
+    seen.unlink()
+    _planner("fat-tree-4x4-r8", workers=2).plan("allreduce", 1 << 20, exhaustive=True)
+    assert seen.read_text() == "None"
+
+
 def test_an_algorithm_asked_for_by_name_is_compared_with_every_other_in_full():
     plan = _planner("fat-tree-4x4-r8").plan("allreduce", 256 << 20, "ring")
     assert plan.algorithm == "ring" and not plan.outpaced

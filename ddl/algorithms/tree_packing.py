@@ -264,7 +264,7 @@ def direct_link_trees(topo, collective, *, root=0, nbytes=None, beat=None):
 def tree_packing(topo, collective, *, root=0, nbytes=None, direct=False, beat=None):
     """Schedule ``collective`` on ``topo`` over an optimal packing of spanning trees (module docstring);
     ``direct``: over :func:`direct_links` only (see :func:`direct_link_trees`); ``beat``: the time the
-    planner's fastest candidate takes (see :func:`_deeper_if_faster`).
+    planner's fastest candidate takes, or a function returning it as it falls (see :func:`_deeper_if_faster`).
 
     Raises :class:`ddl.PlanError` for an unknown collective, a bad root, more than :data:`MAX_RANKS`
     ranks, or a packing too fine-grained to run (:data:`MAX_PLAN_TRANSFERS`)."""

@@ -46,9 +46,10 @@ def replaces(seconds, ops, kept_seconds, kept_ops, message_cost=0.0, margin=Fals
 def try_variant(topo, sched, nbytes, beat=None):
     """``(seconds, at_least)``: the predicted time of ``sched`` and None, or, where its simulation
     stopped because it provably cannot come in under ``beat`` seconds, None and the bound that proved
-    it. Without ``beat`` it is simulated to its end."""
+    it. ``beat``: seconds, or a function returning them, which may fall while the simulation runs (the
+    fastest time of a plan's candidates so far); without it the variant is simulated to its end."""
     try:
-        return simulate(topo, sched, nbytes, None if beat is None else (lambda: beat)).seconds, None
+        return simulate(topo, sched, nbytes, None if beat is None else beat if callable(beat) else (lambda: beat)).seconds, None
     except Outpaced as stopped:
         return None, stopped.at_least
 
