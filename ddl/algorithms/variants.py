@@ -48,8 +48,9 @@ def try_variant(topo, sched, nbytes, beat=None):
     stopped because it provably cannot come in under ``beat`` seconds, None and the bound that proved
     it. ``beat``: seconds, or a function returning them, which may fall while the simulation runs (the
     fastest time of a plan's candidates so far); without it the variant is simulated to its end."""
+    ceiling = None if beat is None else beat if callable(beat) else (lambda: beat)
     try:
-        return simulate(topo, sched, nbytes, None if beat is None else beat if callable(beat) else (lambda: beat)).seconds, None
+        return simulate(topo, sched, nbytes, ceiling).seconds, None
     except Outpaced as stopped:
         return None, stopped.at_least
 
