@@ -552,13 +552,12 @@ def _build_forked(name):
     sched = planner._built(name, collective, nbytes, root, ceiling)
     if isinstance(sched, Schedule):
         try:
-            result = simulate(planner.topo, sched, nbytes, ceiling)
-        except Outpaced:
-            return sched                        # (its bound stays on it)
+            result = _simulated(planner.topo, sched, nbytes, ceiling)     # (a stopped run's bound stays on it)
         except ScheduleError:
             return sched                        # raised where the planner simulates it, as before
-        with fastest.get_lock():
-            fastest.value = min(fastest.value, result.seconds)
+        if not isinstance(result, Outpaced):
+            with fastest.get_lock():
+                fastest.value = min(fastest.value, result.seconds)
     return sched
 
 
