@@ -438,6 +438,10 @@ class ShmBoard:
         if self.seqs[s, self.rank] == seq + 1:
             self.sigs[s, self.rank, _COLL] = GAVE_UP
 
+    def behind(self, seq):
+        """The ranks that have not finished the agreement on collective ``seq``."""
+        return [r for r in range(self.size) if self.done[r] <= seq]
+
     def missing(self, seq):
         """``{rank: latest collective it entered (or -1)}`` for the ranks that have not entered ``seq``."""
         col = self.seqs[seq % self.DEPTH]

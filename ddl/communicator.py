@@ -554,7 +554,8 @@ class Communicator:
     def _start(self, layout, send, recv, count, dtype, op, root, sig_count, blocking=False):
         if self._freed:
             raise Error("this ddl.Communicator was freed")
-        if self._engine.inflight or len(_ENGINES) > 1:   # (every communicator's: one buffer, one call)
+        engine = self._engine
+        if engine.inflight or engine.deferred or len(_ENGINES) > 1:   # (every communicator's: one buffer, one call)
             _check_not_in_flight(send, recv, in_flight_everywhere(), self._engine)
         if divides_first(op, dtype, self.size):
             layout, send, recv = self._divided_first(layout, send, recv, count)
@@ -907,7 +908,7 @@ class Communicator:
         if self._freed:
             return
         try:
-            for ex in list(self._engine.inflight.values()):
+            for ex in self._engine.pending():
                 self._engine.wait(ex)
             if self._engine.broken is None and self.size > 1:
                 self._engine.wait(self._agreement_only(self._bare_signature("free"), "Free()"))

@@ -84,6 +84,7 @@ import os
 import sys
 import time
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -132,8 +133,8 @@ def in_flight_everywhere():
     of them still uses is off limits to every communicator (see Communicator._start)."""
     for ref in _ENGINES:
         engine = ref()
-        if engine is not None and engine.inflight:
-            yield from list(engine.inflight.values())
+        if engine is not None and (engine.inflight or engine.deferred):
+            yield from engine.pending()
 
 
 class TagSpace:
@@ -483,13 +484,13 @@ class Engine:
         self.pcomm, self.gcomm, self.board = pcomm, gcomm, board
         self.rank, self.size = pcomm.Get_rank(), pcomm.Get_size()
         self.tags = TagSpace(pcomm.Get_attr(MPI.TAG_UB) or 32767)
-        self._max_inflight = self.tags.window - 1   # see admit
         self.stall_warning, self.stall_timeout = stall_warning, stall_timeout
         self.reqs = []      # MPI requests (completed ones become REQUEST_NULL until compaction)
         self.owners = []    # parallel: (execution, op index, event) or None
         self.nactive = 0
         self.inflight = {}  # seq -> Execution, in start order
         self.agree_queue = []  # checked executions in start order; results processed in that order
+        self.deferred = deque()  # executions posted but not started yet, in call order (see start)
         self.broken = None
         self._testsome = MPI.Request.Testsome
         self._isend = pcomm.Isend
@@ -519,23 +520,61 @@ class Engine:
         """Everything that may refuse a new collective (of ``plan``; None: agreement only), done before
         the caller gives it a sequence number: a call that raises here was never posted, so it must not
         have used one up either (the other ranks would then pair their next call with this rank's
-        following one). Makes room in the tag window: at most ``window - 1`` collectives in flight, the
-        oldest completed first -- without raising its error, which belongs to its own ``Wait`` (a
-        MismatchError of an older call used to surface here, in a new call that was then lost)."""
+        following one)."""
         if self.broken is not None:
             raise Error(f"this ddl communicator is unusable after an earlier failure: {self.broken}")
         if plan is not None and plan.max_chunk > self.tags.max_chunks:
             raise Error(f"schedule has {plan.max_chunk} chunks; this MPI's TAG_UB allows at most "
                         f"{self.tags.max_chunks}: plan with fewer chunks")
-        inflight = self.inflight
-        while len(inflight) >= self._max_inflight:
-            self.settle(next(iter(inflight.values())))   # (a StallError here breaks the communicator)
 
     def start(self, ex, blocking=False):
         """Post ``ex`` (:meth:`admit` first; nothing here refuses it); ``blocking``: the caller waits for it
-        next (see :meth:`_inline_alone`)."""
-        if (blocking and ex.inline is not None and ex.check and not self.inflight
-                and self.board.can_post(ex.seq, True)):
+        next (see :meth:`_inline_alone`).
+
+        Posting never waits for another rank, as MPI's nonblocking collectives promise: where ``ex``
+        cannot start yet (see :meth:`_has_room`), or an earlier call still waits, it joins
+        ``deferred`` and starts, in call order, from a later poll. Waiting here instead deadlocked
+        ranks that post to two communicators in different orders (rank 0 fills one communicator's
+        board while rank 1 fills the other's, each waiting for the other to enter)."""
+        if self.deferred or not self._has_room(ex):
+            ex.engine = self
+            ex.state = "deferred"
+            ex.t_start = ex.t_progress = time.monotonic()
+            self.deferred.append(ex)
+            return
+        self._begin(ex, blocking)
+
+    def _has_room(self, ex):
+        """Whether ``ex`` may start now: its tag slot (``seq`` modulo the tag window) is not still used by
+        an earlier collective in flight, and, with the agreement on the shared-memory board, every rank
+        is done with the board slot it takes (a peer may be up to DEPTH collectives behind, and
+        PAYLOAD_DEPTH behind for an inline one)."""
+        inflight = self.inflight
+        if inflight and ex.seq - next(iter(inflight)) >= self.tags.window:
+            return False
+        return not ex.check or self.board is None or self.board.can_post(ex.seq, ex.inline is not None)
+
+    def _start_deferred(self):
+        """Start the deferred collectives that have room now, in call order; True if one started. On a
+        communicator that failed they fail too (their waits raise), instead of waiting for ever."""
+        q = self.deferred
+        if self.broken is not None:
+            err = Error(f"this ddl communicator is unusable after an earlier failure: {self.broken}")
+            while q:
+                self._fail(q.popleft(), err)
+            return True
+        started = False
+        while q and self._has_room(q[0]):
+            self._begin(q.popleft())
+            started = True
+        return started
+
+    def pending(self):
+        """Every collective posted here and not done: those in flight, then the deferred ones."""
+        return list(self.inflight.values()) + list(self.deferred)
+
+    def _begin(self, ex, blocking=False):
+        if blocking and ex.inline is not None and ex.check and not self.inflight:   # (room: see start)
             self._inline_alone(ex)
             return
         self._register(ex)
@@ -547,9 +586,6 @@ class Engine:
         ex.state = "agreement"
         board = self.board
         if board is not None:
-            data = ex.inline is not None
-            if not board.can_post(ex.seq, data):   # a peer is DEPTH collectives behind: let it catch up
-                self._drive_until(lambda: board.can_post(ex.seq, data), ex)
             self._post_board(ex)
             self.agree_queue.append(ex)
             self._poll_board()
@@ -919,7 +955,7 @@ class Engine:
         if len(_ENGINES) > 1:
             for ref in _ENGINES:
                 other = ref()
-                if other is not None and other is not self and (other.nactive or other.agree_queue):
+                if other is not None and other is not self and (other.nactive or other.agree_queue or other.deferred):
                     if other._poll_own():
                         progressed = True
                     if other._to_ring:
@@ -954,6 +990,8 @@ class Engine:
         if self.agree_queue and self.board is not None:
             if self._poll_board():
                 progressed = True
+        if self.deferred and self._start_deferred():
+            progressed = True
         return progressed
 
     def _local_failure(self, ex, exc):
@@ -986,7 +1024,7 @@ class Engine:
         (or timeout, if shorter) and 0.5 s are forgiven."""
         now = time.monotonic()
         if now - self._last_drive > max(0.5, min(self.stall_warning, self.stall_timeout) / 2):
-            for other in self.inflight.values():
+            for other in self.pending():
                 if other.t_progress < now:
                     other.t_progress = now
         self._now = now
@@ -1080,7 +1118,10 @@ class Engine:
     # ---- stall watchdog ---------------------------------------------------------------------------
     def _watchdog(self, now):
         self._poll_status(now)
-        for ex in list(self.inflight.values()):
+        # a deferred collective waits for those in flight, which are watched; with none, for a peer
+        # that still holds the board slot it needs
+        watched = list(self.inflight.values()) or list(self.deferred)[:1]
+        for ex in watched:
             stalled = now - ex.t_progress
             if stalled >= self.stall_warning and not ex.warned:
                 ex.warned = True
@@ -1100,6 +1141,8 @@ class Engine:
                     if other.state == "agreement" and self.board is not None:
                         self.board.give_up(other.seq)   # a rank arriving later must not agree with us
                     self._fail(other, err)
+                while self.deferred:
+                    self._fail(self.deferred.popleft(), err)
                 raise err
 
     def _send_status(self, ex, gave_up=False, failed=False):
@@ -1155,6 +1198,11 @@ class Engine:
             body = "; waiting in the agreement step for every rank to enter this collective"
         elif ex.state == "data":
             body = "; " + self._pending_text(ex)
+        elif ex.state == "deferred" and self.board is not None:
+            earlier = ex.seq - (self.board.PAYLOAD_DEPTH if ex.inline is not None else self.board.DEPTH)
+            behind = self.board.behind(earlier)
+            body = (f"; not started: {format_ranks(behind)} {'has' if len(behind) == 1 else 'have'} not finished "
+                    f"ddl collective #{earlier}, whose slot on the shared agreement board this one takes")
         else:
             body = f"; state {ex.state}"
         notes = []

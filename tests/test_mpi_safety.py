@@ -57,6 +57,15 @@ def test_stall_watchdog_names_the_sleeping_rank(agreement):
     unchecked = "this call was not checked against the other ranks' (check='new' checks a signature"
     assert all(unchecked in line for line in re.findall(r"STALL2 rank [01] .*", out)), out[-4000:]
     assert not any(unchecked in line for line in re.findall(r"STALL[13] rank \d .*", out))
+    # a post that cannot start yet returns at once; waiting for it, the others name the rank that holds it up
+    # (through MPI, whose agreement needs no board slot, they wait in the first call's data for the sleeper)
+    for rank in range(n - 1):
+        line = re.search(rf"STALL7 rank {rank} after ([\d.]+)s: (.*)", out)
+        assert line and float(line.group(1)) < 2.9, out[-4000:]
+        if agreement == "auto":
+            assert "NOSTALL7 rank 2" in out, out[-4000:]
+            assert "not started: rank 2 has not finished ddl collective #0, whose slot on the shared agreement " \
+                   "board this one takes" in line.group(2), line.group(2)
     # Free is collective, and no rank hangs in MPI's frees (the last rank once did, for ever): freeing where the
     # others call Allreduce is a mismatch on every rank at once; the rank that freed is gone, so the others'
     # communicator is unusable (they once waited stall_timeout in their own Free for it) and their Free lets go

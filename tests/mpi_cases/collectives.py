@@ -236,6 +236,26 @@ def check_two_communicators():
     other.Free()
 
 
+def check_posts_never_wait():
+    """Nonblocking calls return without waiting for another rank (MPI's promise): even ranks post a
+    batch to one communicator and then one to another, odd ranks the other way round, each batch more
+    calls than the tag window and the board's payload slots hold. A post used to wait for room, and
+    each half of the ranks then waited in one communicator for the other half, which waited in the
+    other (a StallError after the stall timeout)."""
+    one, two = ddl.Communicator(WORLD, stall_timeout=30), ddl.Communicator(WORLD, stall_timeout=30)
+    calls = one._engine.tags.window + 2
+    for count in (3, one.inline_bytes // 8 + 1):   # int64 elements: inline, and above the inline limit
+        bufs = {c: [np.full(count, r + i, np.int64) for i in range(calls)] for c in (one, two)}
+        reqs = []
+        for c in ((one, two) if r % 2 == 0 else (two, one)):
+            reqs += [c.Iallreduce(ddl.IN_PLACE, b) for b in bufs[c]]
+        ddl.Request.Waitall(reqs)
+        chk.ok(all(np.all(b == sum(range(p)) + p * i) for c in (one, two) for i, b in enumerate(bufs[c])),
+               f"{calls} Iallreduce of {count} int64 on each of two communicators, posted in opposite orders")
+    one.Free()
+    two.Free()
+
+
 def check_algorithms():
     from ddl.algorithms import ALGORITHMS
     topo = two_host_topology(p)
@@ -669,6 +689,7 @@ check_large()
 check_nonblocking()
 check_functional()
 check_two_communicators()
+check_posts_never_wait()
 check_inline()
 check_float16_average()
 check_reproducible()

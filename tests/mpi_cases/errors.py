@@ -106,8 +106,8 @@ q1.Wait()
 chk.ok(np.all(good == sum(range(p))) and np.array_equal(out3, np.arange(p)), "requests around a mismatch")
 still_works("nonblocking mismatch")
 
-# more calls in flight than the tag window holds: starting one completes the oldest first, and the oldest's
-# MismatchError belongs to its own Wait -- it once surfaced in the new call, which then was never posted
+# more calls in flight than the tag window holds: the later ones wait in the communicator's queue, and the
+# oldest's MismatchError belongs to its own Wait -- it once surfaced in a new call, which then was never posted
 # while its sequence number was used up, and every later call of the ranks fell out of step
 # (larger than the inline limit: an inline call can wait for the others' progress already when it starts; and
 # the last rank starts late, so that the others fill the window before the mismatch is known)

@@ -12,6 +12,9 @@ Scenario 4 (a local failure): a reduction raises on the last rank (simulated): t
 its communicator refuses further calls, and the others' StallError says it failed in it.
 Scenarios 5 and 6 (Free): the last rank frees where the others call Allreduce, or frees after they
 gave up on it; see :func:`freeing`.
+Scenario 7 (a post that must wait): the last rank posts as many nonblocking calls as the board has
+payload slots and sleeps without driving them; the others post one more, which cannot start until the
+last rank is done with the first slot, and wait: its StallError names the rank holding the slot.
 Every rank prints one line per scenario: ``STALL<k> rank <r>: <message>`` (or ``NOSTALL<k>``).
 """
 import os
@@ -89,6 +92,23 @@ def failing_reduction(comm, buf):
         print(f"REFUSED4 rank {RANK} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
 
 
+def post_then_sleep(comm, buf, calls=None):
+    from ddl.agreement import ShmBoard
+    if calls is None:
+        calls = ShmBoard.PAYLOAD_DEPTH
+    else:
+        time.sleep(0.5)                # the last rank posts first: it finishes none of its calls before it sleeps
+    reqs = [comm.Iallreduce(ddl.IN_PLACE, np.ones(8, np.float32)) for _ in range(calls)]
+    if calls == ShmBoard.PAYLOAD_DEPTH:
+        time.sleep(SLEEP)
+    ddl.Request.Waitall(reqs)
+
+
+def post_one_more(comm, buf):
+    from ddl.agreement import ShmBoard
+    post_then_sleep(comm, buf, ShmBoard.PAYLOAD_DEPTH + 1)
+
+
 def freeing(k, last_sleeps):
     """Free is collective: the last rank calls it where the others call Allreduce (scenario 5), or only
     after sleeping past the stall timeout that ended the others' Allreduce (scenario 6); the others then
@@ -117,6 +137,7 @@ scenario(1, "always", sleep_then_call)
 scenario(2, "off", start_then_sleep)
 scenario(3, "always", sleep_longer_then_call, poll_with_compute, warn=1.5, timeout=2.5)
 scenario(4, "always", failing_reduction, lambda comm, buf: comm.Allreduce(ddl.IN_PLACE, np.ones(1 << 19, np.float32)))
+scenario(7, "always", post_then_sleep, post_one_more)
 freeing(5, last_sleeps=False)
 freeing(6, last_sleeps=True)
 WORLD.Barrier()
