@@ -52,7 +52,11 @@ TIER_KEYS = ("name", "count", "bandwidth", "latency", "kind")
 
 # Vertex id prefix and kind of the children created by each tier of the hierarchy form, innermost
 # first; the first tier's kind may be overridden by its `kind` key.
-_TIER_CHILD = (("gpu", "gpu"), ("h", "host"), ("r", "switch"))
+# (id prefix, kind) of each tier's nodes, innermost first: GPU or CPU ranks in hosts in racks, or hosts in
+# racks in pods where the ranks are the hosts themselves
+_TIER_NODES = {"gpu": (("gpu", "gpu"), ("h", "host"), ("r", "switch")),
+               "cpu": (("cpu", "cpu"), ("h", "host"), ("r", "switch")),
+               "host": (("h", "host"), ("r", "switch"), ("p", "switch"))}
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _NVIDIA_SMI_ROW = re.compile(r"^GPU0[ \t]+X[ \t]", re.M)   # the first row of `nvidia-smi topo -m`
 
@@ -338,10 +342,15 @@ def _normalize(name, description, defaults, nodes, links, ranks, where, source):
         label_of[node[0]] = label
         node_list.append(node)
     kinds = {node_id: kind for node_id, kind, _ in node_list}
+    hosts = [node_id for node_id, kind in kinds.items() if kind == "host"]
     for (label, _entry), (_id, _kind, attrs) in zip(nodes, node_list):
-        host = attrs.get("host")           # a label of its own, or a node of kind host
+        host = attrs.get("host")           # a node of kind host; a label of its own where the file has none
         if host in kinds and kinds[host] != "host":
             _fail(where, label, f"host {host!r} is a {kinds[host]} node; name a node of kind host")
+        if host is not None and host not in kinds and hosts:
+            # a typo would split a machine in two, each half planned as a host of its own
+            _fail(where, label, f"host {host!r} names no node{_did_you_mean(str(host), hosts)}; this file has "
+                                f"host nodes, so name one of them ({', '.join(hosts[:6])}{', ...' if len(hosts) > 6 else ''})")
     latency = defaults.get("latency", DEFAULT_LATENCY)
     link_list = []
     for label, entry in links:
@@ -567,7 +576,8 @@ def _hierarchy(tiers, where):
     """Nodes, links and leaves of the hierarchy form, built top-down from the ``spine`` switch.
 
     Children of tier k are linked to their parent with tier k's bandwidth; ids follow the contract
-    (``r{rack}/h{host}/gpu{g}`` with 3 tiers, ``h{host}/gpu{g}`` with 2)."""
+    (``r{rack}/h{host}/gpu{g}`` with 3 tiers, ``h{host}/gpu{g}`` with 2; ``cpu{g}`` for CPU ranks; where
+    the ranks are hosts, ``p{pod}/r{rack}/h{host}`` and ``r{rack}/h{host}``)."""
     if not isinstance(tiers, list) or len(tiers) not in (2, 3):
         example = "[{name: gpu, count: 4, bandwidth: 150 GB/s}, {name: host, count: 16, bandwidth: 100 Gbit/s}]"
         given = len(tiers) if isinstance(tiers, list) else _a(tiers)
@@ -581,8 +591,7 @@ def _hierarchy(tiers, where):
     links, parents = [], ["spine"]
     for k in reversed(range(len(parsed))):
         tier, label = parsed[k], f"tiers[{k}]"
-        prefix, kind = _TIER_CHILD[k]
-        kind = tier.kind or kind
+        prefix, kind = _TIER_NODES[parsed[0].kind or "gpu"][k]
         children = []
         for parent in parents:
             for i in range(tier.count):

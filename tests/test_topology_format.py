@@ -210,15 +210,30 @@ def test_hierarchy_three_tiers():
 def test_hierarchy_two_tiers_with_kind_and_ranks():
     topo = Topology.from_dict({"name": "flat", "defaults": {"latency": "2 us"}, "tiers": [
         {"count": 2, "bandwidth": "20 GB/s", "kind": "cpu"}, {"count": 3, "bandwidth": "1 GB/s"}],
-        "ranks": [{"id": "h{h}/gpu0", "for": {"h": 3}}]})
-    assert set(topo.nodes) == {"spine", "h0", "h1", "h2", "h0/gpu0", "h0/gpu1", "h1/gpu0", "h1/gpu1",
-                               "h2/gpu0", "h2/gpu1"}
-    assert topo.kind("h2/gpu1") == "cpu" and topo.kind("h2") == "host"
-    assert topo.ranks == ("h0/gpu0", "h1/gpu0", "h2/gpu0")
+        "ranks": [{"id": "h{h}/cpu0", "for": {"h": 3}}]})
+    assert set(topo.nodes) == {"spine", "h0", "h1", "h2", "h0/cpu0", "h0/cpu1", "h1/cpu0", "h1/cpu1",
+                               "h2/cpu0", "h2/cpu1"}
+    assert topo.kind("h2/cpu1") == "cpu" and topo.kind("h2") == "host"
+    assert topo.ranks == ("h0/cpu0", "h1/cpu0", "h2/cpu0")
     assert topo.capacity("h1", "spine") == pytest.approx(1e9)
     assert topo.latency("h1", "spine") == pytest.approx(2e-6)
     assert topo.hosts == {"h0": (0,), "h1": (1,), "h2": (2,)}
     assert topo.tiers[-1].groups == ((0, 1, 2),)
+
+
+@pytest.mark.parametrize("tiers, hosts", [(2, ["r0/h0", "r0/h1", "r1/h0", "r1/h1"]),
+                                          (3, ["p0/r0/h0", "p0/r0/h1", "p0/r1/h0", "p0/r1/h1", "p1/r0/h0",
+                                               "p1/r0/h1", "p1/r1/h0", "p1/r1/h1"])])
+def test_hierarchy_of_host_ranks_puts_them_in_switches(tiers, hosts):
+    """Ranks that are whole hosts (`kind: host`) hang from racks (and pods): one rank per host, not hosts
+    grouped into hosts (the two-tier form once made its racks two hosts of two ranks)."""
+    topo = Topology.from_dict({"name": "t", "tiers": [{"count": 2, "bandwidth": "1 GB/s", "kind": "host"}]
+                               + [{"count": 2, "bandwidth": "1 GB/s"}] * (tiers - 1)})
+    assert topo.ranks == tuple(hosts)
+    assert topo.hosts == {h: (i,) for i, h in enumerate(hosts)}
+    assert all(topo.kind(h) == "host" for h in hosts)
+    assert {topo.kind(v) for v in topo.nodes if v not in hosts} == {"switch"}
+    assert topo.capacity("r1/h0" if tiers == 2 else "p1/r0/h1", "r1" if tiers == 2 else "p1/r0") == pytest.approx(1e9)
 
 
 def test_hierarchy_to_dict_is_explicit_and_equal():
@@ -661,9 +676,13 @@ def test_absurd_sizes_fail_fast_with_the_entry_named(tmp_path):
 
 def test_a_host_attribute_names_a_host_node_or_a_host_of_its_own():
     data = pair()
-    data["nodes"] += [{"id": "h0", "kind": "host"}]
     data["nodes"][1]["host"] = "box-7"                                # a machine the file does not model
     assert Topology.from_dict(data).host_of(0) == "box-7"
+    data["nodes"] += [{"id": "h0", "kind": "host"}, {"id": "h1", "kind": "host"}]
+    data["nodes"][1]["host"] = "h9"      # where the file has host nodes, a typo would split a machine in two
+    with pytest.raises(TopologyError, match=r"nodes\[1\]: host 'h9' names no node \(did you mean 'h[01]' or 'h[01]'\?\); "
+                                            r"this file has host nodes, so name one of them \(h0, h1\)"):
+        Topology.from_dict(data)
     data["nodes"][1]["host"] = "sw"
     with pytest.raises(TopologyError, match=r"nodes\[1\]: host 'sw' is a switch node; name a node of kind host"):
         Topology.from_dict(data)

@@ -181,14 +181,14 @@ def test_host_rules():
     topo = Topology("hosts", [
         {"id": "n0", "kind": "host"}, {"id": "n0/gpu0", "kind": "gpu"},            # id prefix
         {"id": "box", "kind": "host"}, {"id": "x1", "kind": "gpu"},                 # linked directly
-        {"id": "x2", "kind": "gpu", "host": "node-7"},                             # attribute wins
+        {"id": "x2", "kind": "gpu", "host": "n0"},                                 # attribute wins
         {"id": "sw/gpu9", "kind": "gpu"}, {"id": "sw", "kind": "switch"},          # prefix not a host: none
         {"id": "cpuhost", "kind": "host"}],                                       # a host rank: itself
         [Link("n0/gpu0", "n0", GB), Link("x1", "box", GB), Link("x2", "box", GB), Link("n0", "sw", GB),
          Link("box", "sw", GB), Link("sw/gpu9", "sw", GB), Link("cpuhost", "sw", GB)],
         ["n0/gpu0", "x1", "x2", "sw/gpu9", "cpuhost"])
-    assert [topo.host_of(i) for i in range(5)] == ["n0", "box", "node-7", None, "cpuhost"]
-    assert topo.hosts == {"n0": (0,), "box": (1,), "node-7": (2,), "cpuhost": (4,)}
+    assert [topo.host_of(i) for i in range(5)] == ["n0", "box", "n0", None, "cpuhost"]
+    assert topo.hosts == {"n0": (0, 2), "box": (1,), "cpuhost": (4,)}
 
 
 def test_hosts_follow_rank_order():
