@@ -149,6 +149,18 @@ def torch_bfloat16(obj, what):
         raise Error(f"{what}: cannot access the bfloat16 tensor's memory ({exc})") from None
 
 
+def like_input(result, given):
+    """``result`` (a numpy array) as the functional API returns it for the argument ``given``: a CPU
+    torch tensor on the same memory where ``given`` is a torch tensor (Horovod's rule: a tensor in,
+    a tensor out), else the array itself. Looks for torch only where the program imported it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(given, torch.Tensor):
+        return result
+    if given.dtype == torch.bfloat16:   # torch reads no numpy bfloat16: through an int16 view, as above
+        return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(result)
+
+
 def flat_view(arr, what):
     """1-D view of a contiguous numpy array in memory order; ddl.Error if it is not contiguous."""
     if arr.flags.c_contiguous:

@@ -61,7 +61,7 @@ import numpy as np
 
 from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, device_start, digest62, format_ranks, grouped,
                         refusal)
-from .buffers import IN_PLACE, is_in_place, parse_buffer, torch_bfloat16
+from .buffers import IN_PLACE, is_in_place, like_input, parse_buffer, torch_bfloat16
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere
@@ -182,7 +182,7 @@ def _functional(array):
     another must still meet element by element."""
     arr = _numbers(array, "allreduce")
     out = np.empty(arr.shape, arr.dtype)
-    return arr, out, (out.item if np.isscalar(array) else lambda: out)
+    return arr, out, (out.item if np.isscalar(array) else lambda: like_input(out, array))
 
 
 def _numbers(array, what):
@@ -873,7 +873,8 @@ class Communicator:
         rank has called it with the same dtypes and sizes (else MismatchError on every rank): each rank
         then starts the same collectives, one per dtype, so a mismatch cannot leave one of them behind
         to pair with a later call."""
-        arrays = [_numbers(a, "grouped_allreduce") for a in arrays]
+        given = list(arrays)
+        arrays = [_numbers(a, "grouped_allreduce") for a in given]
         op = resolve_op(op)
         if self.size > 1 and self.check == "always":
             self._engine.wait(self._agreement_only(grouped(arrays, op, self._topology_digest, self.check),
@@ -890,7 +891,7 @@ class Communicator:
             for i in idx:
                 n = arrays[i].size
                 packed[off:off + n] = arrays[i].reshape(-1)
-                results[i] = packed[off:off + n].reshape(arrays[i].shape)
+                results[i] = like_input(packed[off:off + n].reshape(arrays[i].shape), given[i])
                 off += n
             reqs.append(self._allreduce_start(IN_PLACE, packed, op))
         return _GroupRequest(reqs, self._engine, results)

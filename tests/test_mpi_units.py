@@ -127,6 +127,25 @@ def test_torch_tensors_of_bfloat16_are_buffers_and_a_tensor_that_requires_grad_i
             _numbers(tensor, "allreduce")
 
 
+def test_functional_allreduce_of_cpu_tensors_returns_tensors():
+    """A tensor in, a tensor out (Horovod's rule), bfloat16 too, so that ``p.grad = comm.allreduce(p.grad)``
+    works; numpy arrays and scalars come back as they went in."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("ml_dtypes")
+    from mpi4py import MPI
+    comm = ddl.Communicator(MPI.COMM_SELF)
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    for result in (comm.allreduce(t, op=ddl.AVG), comm.iallreduce(t).wait()):
+        assert isinstance(result, torch.Tensor) and result.dtype == torch.float32 and torch.equal(result, t)
+    b = torch.full((3,), 1.5, dtype=torch.bfloat16)
+    outs = comm.grouped_allreduce([t, b, np.ones(2, np.int64), torch.tensor(7)])
+    assert [type(o).__name__ for o in outs] == ["Tensor", "Tensor", "ndarray", "Tensor"]
+    assert outs[1].dtype == torch.bfloat16 and outs[1].tolist() == [1.5] * 3 and outs[3].item() == 7
+    assert torch.equal(outs[0], t) and outs[0].data_ptr() != t.data_ptr()   # a new tensor, not the input
+    assert comm.allreduce(2.5) == 2.5
+    comm.Free()
+
+
 def test_format_ranks():
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7, 8"
