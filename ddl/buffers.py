@@ -86,6 +86,9 @@ def _as_array(obj, what, opaque_ok=False):
     otherwise it is refused: reduced as raw bytes, it gave garbage without a word."""
     if type(obj) is np.ndarray:
         return obj
+    if is_in_place(obj):   # (before the buffer protocol: mpi4py's MPI.IN_PLACE has one, of no bytes)
+        raise Error(f"{what} cannot be IN_PLACE: IN_PLACE goes in sendbuf, with the buffer it stands for as "
+                    f"recvbuf (Bcast's one buffer is always used in place)")
     if isinstance(obj, np.ma.MaskedArray):
         raise Error(f"{what} is a masked array: ddl reduces and moves every element, masked or not; pass "
                     f"its .data (masked values included) or .filled(value)")
@@ -122,9 +125,6 @@ def _as_array(obj, what, opaque_ok=False):
             on_cpu = getattr(obj, "__dlpack_device__", lambda: (1, 0))()[0] == 1
             raise Error(f"{what}: cannot access its memory via DLPack ({exc})"
                         + ("" if on_cpu else "; pass a CPU array")) from None
-    if is_in_place(obj):
-        raise Error(f"{what} cannot be IN_PLACE: IN_PLACE goes in sendbuf, with the buffer it stands for as "
-                    f"recvbuf (Bcast's one buffer is always used in place)")
     hint = " (lists are not buffers: use numpy.array(...))" if isinstance(obj, (list, tuple)) else ""
     raise Error(f"{what} must be a numpy array or an object with the buffer protocol, got {type(obj).__name__}"
                 + hint)

@@ -710,7 +710,7 @@ class Communicator:
     @_announced("broadcast")
     def _bcast_start(self, buf, root, blocking=False):
         root = _root(root, self.size)
-        b = parse_buffer(buf, "buf", writable=True, bytes_only=True)
+        b = parse_buffer(buf, "buf", writable=self.rank != root, bytes_only=True)   # the root only reads it
         return self._start("broadcast", None, b, b.size, b.dtype, None, root, b.size, blocking)
 
     # ---- device buffers ----------------------------------------------------------------------------

@@ -9,7 +9,8 @@ records the reduction order, operand order included. At the end:
   expression on every rank — so float results are bitwise identical everywhere;
 * reduce-scatter: rank r holds the full reduction in every chunk of block r;
 * allgather: every rank holds, in every chunk, the owner's original data;
-* broadcast: every rank holds the root's data.
+* broadcast: every rank holds the root's data, and the root receives nothing (it holds every chunk
+  already, and its buffer may be read-only: the root of ``Bcast`` only reads it).
 
 Operand order: ``max(-0.0, +0.0)`` is -0.0 and ``max(+0.0, -0.0)`` +0.0, and a sum of two NaNs keeps
 the first one's sign and payload, so two ranks that combine the same two partial results (recursive
@@ -56,6 +57,11 @@ def verify(schedule, stop=None):
 
     ``stop``: a callable asked every 65536 operations; when it returns true the proof is abandoned
     with :class:`Abandoned` (a planner proving a schedule before it knows whether it will pick it)."""
+    if schedule.collective == "broadcast":
+        for i, op in enumerate(schedule.programs[schedule.root]):
+            if op.kind != SEND:
+                raise ScheduleError(f"{_describe(schedule, schedule.root, i)}: the root of a broadcast receives "
+                                    f"nothing (it holds every chunk, and its buffer may be read-only)")
     with gc_paused():                  # a value per reduction: millions of small tuples, no cycles
         values, state, order, reductions = _symbolic_run(schedule, stop)
         _check_final(schedule, state, values)

@@ -306,6 +306,13 @@ def test_reduce_into_empty_chunk_and_missing_block():
     b.transfer(2, 0, 0)
     with pytest.raises(ScheduleError, match="holds no data"):
         verify(b.build())
+    b = ScheduleBuilder("broadcast", 3, (1,), root=1)   # correct everywhere, but the root gets its own data back
+    b.transfer(1, 0, 0)
+    b.transfer(0, 2, 0)
+    b.transfer(2, 1, 0)
+    with pytest.raises(ScheduleError, match=r"rank 1 op 1 \(recv chunk 0 from rank 2\): the root of a broadcast "
+                                            r"receives nothing"):
+        verify(b.build())
 
 
 def test_reduce_scatter_checks_only_the_owner():

@@ -190,6 +190,22 @@ expect(ddl.Error, lambda: comm.Bcast(np.ones(3), root=True), "integer rank", "Tr
 expect(ddl.Error, lambda: comm.Allreduce(np.ones(2), ddl.IN_PLACE), "recvbuf cannot be IN_PLACE: IN_PLACE goes in "
        "sendbuf", label="IN_PLACE as recvbuf")
 expect(ddl.Error, lambda: comm.Bcast(ddl.IN_PLACE), "buf cannot be IN_PLACE", label="IN_PLACE to Bcast")
+# mpi4py's sentinel alike (it has a buffer interface of no bytes, which ddl once took for an empty buffer)
+expect(ddl.Error, lambda: comm.Bcast(MPI.IN_PLACE), "buf cannot be IN_PLACE", label="MPI.IN_PLACE to Bcast")
+expect(ddl.Error, lambda: comm.Allreduce(MPI.IN_PLACE, MPI.IN_PLACE), "recvbuf cannot be IN_PLACE",
+       label="MPI.IN_PLACE as recvbuf")
+expect(ddl.Error, lambda: comm.Allgather(np.ones(2), MPI.IN_PLACE), "recvbuf cannot be IN_PLACE",
+       label="MPI.IN_PLACE as Allgather's recvbuf")
+# Bcast's root only reads its buffer: read-only there is fine, elsewhere refused
+ro_root = np.full(5, 7.0) if r == last else np.zeros(5)
+ro_root.flags.writeable = r != last
+comm.Bcast(ro_root, root=last)
+chk.ok(np.all(ro_root == 7.0), f"Bcast from a read-only buffer at the root: {ro_root}")
+ro_leaf = np.full(5, 7.0) if r == 0 else np.zeros(5)
+ro_leaf.flags.writeable = r == 0 or r != last
+if p > 1:
+    expect(ddl.Error, lambda: comm.Bcast(ro_leaf, root=0), "buf is read-only" if r == last else f"rank {last}",
+           label="Bcast into a read-only buffer")
 root_np = np.ones(3) * r
 comm.Bcast(root_np, root=np.int64(last))          # numpy's integers are ranks
 chk.ok(np.all(root_np == last), f"Bcast from np.int64({last}): {root_np}")
