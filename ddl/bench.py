@@ -47,6 +47,7 @@ import numpy as np
 from .bench_report import format_row, link_lines, plot, print_summary, table_header, trace_lines, widths_for
 from .cli import check_output_file
 from .errors import Error, PlanError
+from .settings import named_by_env
 from .units import format_size, parse_size
 
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -890,9 +891,8 @@ def _load_topology(opts, nranks):
     if opts.scale:
         topo = scaled_topology(topo, opts.scale)
     if topo.nranks != nranks:
-        env = os.environ.get("DDL_TOPOLOGY")
-        named = ", named by DDL_TOPOLOGY" if env and os.path.abspath(env) == opts.topology else ""
-        raise Error(f"topology {topo.name!r} ({opts.topology}{named}) has {topo.nranks} ranks but this MPI job has "
+        where = ", ".join(filter(None, (opts.topology, named_by_env(opts.topology))))
+        raise Error(f"topology {topo.name!r} ({where}) has {topo.nranks} ranks but this MPI job has "
                     f"{nranks}: run `mpiexec -n {topo.nranks} ddl bench ...`, or `ddl bench FILE` alone "
                     f"and it launches mpiexec itself")
     return topo

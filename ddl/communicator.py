@@ -67,7 +67,7 @@ from .errors import Error, MismatchError, PlanError, StallError
 from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere
 from .ops import LOGICAL, SUM, check_op_dtype, divided, divides_first, finish_average, resolve_op
 from .schedule import Schedule
-from .settings import env_flag, env_float, env_int
+from .settings import env_flag, env_float, env_int, named_by_env
 from .units import message_size, whole_number
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
@@ -373,10 +373,11 @@ class Communicator:
             topology = os.environ.get("DDL_TOPOLOGY") or None
         self.topology = self._load_topology(topology)
         if self.topology is not None and self.topology.nranks != self.size:
-            where = f" ({self.topology.source})" if getattr(self.topology, "source", None) else ""
+            source = getattr(self.topology, "source", None)
+            where = f" ({', '.join(filter(None, (source, named_by_env(source))))})" if source else ""
             raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
-                        f"communicator has {self.size} ranks: use a topology with one rank per process "
-                        f"(e.g. Topology.with_ranks) or launch {self.topology.nranks} processes")
+                        f"communicator has {self.size} ranks: use a topology whose ranks: list has one "
+                        f"entry per process, or launch {self.topology.nranks} processes")
         agreement = os.environ.get("DDL_AGREEMENT") or "auto"      # (set but empty: the default, as DDL_CHECK)
         if agreement not in ("auto", "shm", "mpi"):
             raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")

@@ -59,3 +59,17 @@ def env_auto_flag(name):
         raise Error(f"environment variable {name}={value!r} is neither auto, on ({', '.join(_TRUE)}) nor "
                     f"off ({', '.join(_FALSE)})")
     return flag
+
+
+def named_by_env(path):
+    """``'named by environment variable DDL_TOPOLOGY'`` where ``path`` is the file it names, else ``''``:
+    an error about a file the user never typed (``ddl emulate run`` and job scripts set it) says where
+    the name came from."""
+    env = os.environ.get("DDL_TOPOLOGY")
+    if not env or not path:
+        return ""
+    try:
+        same = os.path.abspath(env) == os.path.abspath(os.fspath(path))
+    except TypeError:
+        return ""
+    return "named by environment variable DDL_TOPOLOGY" if same else ""

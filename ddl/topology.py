@@ -23,7 +23,8 @@ import networkx as nx
 from networkx.utils import UnionFind
 
 from . import topology_file
-from .errors import TopologyError
+from .errors import Error, TopologyError
+from .settings import named_by_env
 from .topology_file import Link
 
 __all__ = ["Topology", "Link", "Tier"]
@@ -56,7 +57,13 @@ class Topology:
     @classmethod
     def load(cls, path):
         """Read a topology file (YAML, or JSON for ``*.json``)."""
-        return cls._from_spec(topology_file.load(path))
+        try:
+            return cls._from_spec(topology_file.load(path))
+        except Error as exc:
+            note = named_by_env(path)
+            if note and exc.args and isinstance(exc.args[0], str):
+                exc.args = (f"{exc.args[0]} [the file {note}]",) + exc.args[1:]
+            raise
 
     @classmethod
     def from_dict(cls, data, source=None):

@@ -121,9 +121,9 @@ def test_rank_count_mismatch_is_one_clean_error(env):
     assert p.returncode == 2
     assert p.stderr.count("ddl: error:") == 1 and "has 8 ranks but this MPI job has 2" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
-    assert "named by DDL_TOPOLOGY" not in p.stderr
+    assert "DDL_TOPOLOGY" not in p.stderr
     named = bench(["--bytes", "8"], {**env, "DDL_TOPOLOGY": str(ROOT / "topologies/emulated-flat.yaml")})
-    assert named.returncode == 2 and "emulated-flat.yaml, named by DDL_TOPOLOGY) has 8 ranks" in named.stderr, named.stderr
+    assert named.returncode == 2 and "emulated-flat.yaml, named by environment variable DDL_TOPOLOGY) has 8 ranks" in named.stderr, named.stderr
 
 
 # ---- --device gpu ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Pieces of the MPI executor that need no MPI: ops, buffer specs, agreement messages, compiled plans."""
 import array
 import subprocess
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -144,6 +145,27 @@ def test_functional_allreduce_of_cpu_tensors_returns_tensors():
     assert torch.equal(outs[0], t) and outs[0].data_ptr() != t.data_ptr()   # a new tensor, not the input
     assert comm.allreduce(2.5) == 2.5
     comm.Free()
+
+
+def test_errors_about_the_topology_of_ddl_topology_say_where_its_name_came_from(monkeypatch, tmp_path):
+    """A file the user never typed (``ddl emulate run`` and job scripts set DDL_TOPOLOGY) is named as the
+    variable's; a file given directly is not."""
+    from mpi4py import MPI
+    from ddl.topology import Topology
+    missing = tmp_path / "nope.yaml"
+    monkeypatch.setenv("DDL_TOPOLOGY", str(missing))
+    with pytest.raises(ddl.TopologyError, match=r"nope.yaml: no such file.* \[the file named by environment "
+                                                r"variable DDL_TOPOLOGY\]$"):
+        ddl.Communicator(MPI.COMM_SELF)
+    with pytest.raises(ddl.TopologyError) as err:
+        Topology.load(tmp_path / "other.yaml")
+    assert "DDL_TOPOLOGY" not in str(err.value)
+    eight = str(Path(__file__).parent.parent / "topologies" / "dgx1-v100.yaml")
+    monkeypatch.setenv("DDL_TOPOLOGY", eight)
+    with pytest.raises(ddl.Error, match=r"topology 'dgx1-v100' \(.*dgx1-v100.yaml, named by environment variable "
+                                        r"DDL_TOPOLOGY\) has 8 ranks but the communicator has 1 ranks: use a "
+                                        r"topology whose ranks: list has one entry per process"):
+        ddl.Communicator(MPI.COMM_SELF)
 
 
 def test_format_ranks():
