@@ -62,6 +62,7 @@ import numpy as np
 from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, device_start, digest62, format_ranks, grouped,
                         refusal)
 from .buffers import IN_PLACE, is_in_place, like_input, parse_buffer, torch_bfloat16
+from .gpu import check_settings as check_gpu_settings
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere
@@ -389,6 +390,7 @@ class Communicator:
         scratch_bytes = env_int("DDL_SCRATCH_BYTES", SCRATCH_BYTES)
         if scratch_bytes < 0:
             raise Error(f"DDL_SCRATCH_BYTES must be zero or more bytes, got {scratch_bytes}")
+        check_gpu_settings()   # read later, at the first device call: a typo fails here, GPUs or not
         self._planner = planner
         self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None
                                          else f"flat-{self.size}")

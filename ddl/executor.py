@@ -119,12 +119,12 @@ def idle_policy(oversubscribed):
     once, sleep after 1 ms, large messages or not (on the emulated clusters, where the kernel carries the
     links on the same cores, yielding for 50 ms made the interleaved two racks' 64 MiB allreduce 4-11%
     slower). Each can be set by environment."""
-    spin = env_int("DDL_SPIN", 0 if oversubscribed else 64)
-    sleep_after = env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002)
+    spin = env_int("DDL_SPIN", 0 if oversubscribed else 64, minimum=0)
+    sleep_after = env_float("DDL_IDLE_SLEEP_AFTER", 0.001 if oversubscribed else 0.002, minimum=0)
     sleep_after_large = max(sleep_after, env_float("DDL_IDLE_SLEEP_AFTER_LARGE",
-                                                    sleep_after if oversubscribed else 0.05))
-    nap = env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001)
-    nap_max = max(nap, env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001))
+                                                    sleep_after if oversubscribed else 0.05, minimum=0))
+    nap = env_float("DDL_IDLE_NAP", 0.00002 if oversubscribed else 0.0001, minimum=0)
+    nap_max = max(nap, env_float("DDL_IDLE_NAP_MAX", 0.0002 if oversubscribed else 0.001, minimum=0))
     return spin, sleep_after, sleep_after_large, nap, nap_max
 
 
@@ -502,7 +502,7 @@ class Engine:
         self._last_status_poll = 0.0
         self.oversubscribed = oversubscribed
         self.spin, self.sleep_after, self.sleep_after_large, self.nap, self.nap_max = idle_policy(oversubscribed)
-        if oversubscribed and env_flag("DDL_TIMERSLACK", True):
+        if env_flag("DDL_TIMERSLACK", True) and oversubscribed:   # (read either way: a typo fails everywhere)
             _tight_timer_slack()
         use_bell = env_auto_flag("DDL_DOORBELL")
         self.bell = None

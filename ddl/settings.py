@@ -9,8 +9,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def env_float(name, default):
-    """A number; unset or empty: ``default``."""
+def env_float(name, default, minimum=None):
+    """A number (at least ``minimum``, when given); unset or empty: ``default``."""
     value = os.environ.get(name)
     if value in (None, ""):
         return default
@@ -20,12 +20,14 @@ def env_float(name, default):
         raise Error(f"environment variable {name}={value!r} is not a number") from None
     if math.isnan(number):
         raise Error(f"environment variable {name}={value!r} is not a number")
+    if minimum is not None and number < minimum:
+        raise Error(f"environment variable {name}={value!r} must be at least {minimum:g}")
     return number
 
 
-def env_int(name, default):
+def env_int(name, default, minimum=None):
     """An integer setting (bytes, counts): a finite number, rounded down."""
-    number = env_float(name, default)
+    number = env_float(name, default, minimum)
     if not math.isfinite(number):
         raise Error(f"environment variable {name}={os.environ.get(name)!r} must be a finite number")
     return int(number)

@@ -58,13 +58,12 @@ from ..buffers import IN_PLACE, is_in_place
 from ..errors import Error, MismatchError
 from ..ops import LOGICAL, SUM, check_op_dtype, divides_first, reduce_into, resolve_op
 from ..settings import env_flag
-from . import INSTALL_CUPY
+from . import INSTALL_CUPY, requested_path
 from .buffers import DTYPES, DeviceBuffer, parse_device_buffer
 from .launch_plan import RECV_BUF, SCRATCH_BUF, SEND_BUF, WORK_BUF, launch_plan
 
 log = logging.getLogger("ddl.gpu")
 
-PATHS = ("nccl", "cuda-aware-mpi", "host-staged")
 NCCL_MIN_VERSION = 2700   # ncclSend / ncclRecv
 _NCCL_UINT8 = 1
 _MPI_TAG_BASE = 64
@@ -482,9 +481,7 @@ class NcclExecutor:
         except Exception:  # pragma: no cover - cosmetic
             pass
         self._rt = runtime
-        self.requested_path = (path or os.environ.get("DDL_GPU_PATH", "auto") or "auto").strip().lower()
-        if self.requested_path not in PATHS + ("auto",):
-            raise Error(f"DDL_GPU_PATH / path must be auto, {', '.join(PATHS)}; got {self.requested_path!r}")
+        self.requested_path = requested_path(path)
         self.verbose = env_flag("DDL_GPU_VERBOSE", False)     # rank 0 says which path it took
         self.path = None          # decided on first use (collectively)
         self.path_reason = ""

@@ -562,6 +562,13 @@ os.environ["DDL_OVERSUBSCRIBED"] = "maybe"
 del os.environ["DDL_CHECK"]
 expect(ddl.Error, lambda: ddl.Communicator(WORLD), "DDL_OVERSUBSCRIBED='maybe' is neither on", label="bad DDL_OVERSUBSCRIBED")
 del os.environ["DDL_OVERSUBSCRIBED"]
+# settings that only some nodes or jobs use are read on every one: a typo fails wherever the job runs
+for name, value, says in (("DDL_TIMERSLACK", "x", "is neither on"), ("DDL_SPIN", "-3", "must be at least 0"),
+                          ("DDL_IDLE_NAP", "-1", "must be at least 0"), ("DDL_GPU_PATH", "x", "must be auto, nccl"),
+                          ("DDL_GPU_VERBOSE", "x", "is neither on"), ("DDL_CUDA_AWARE_MPI", "x", "is neither on")):
+    os.environ.update({name: value, "DDL_OVERSUBSCRIBED": "0"})
+    expect(ddl.Error, lambda: ddl.Communicator(WORLD), name, says, label=f"bad {name}, on a node not oversubscribed")
+    del os.environ[name], os.environ["DDL_OVERSUBSCRIBED"]
 
 # ---- threads ----------------------------------------------------------------------------------------------
 # One thread at a time inside ddl: a second that calls in meanwhile is refused at once (two inside together
