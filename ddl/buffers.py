@@ -161,14 +161,16 @@ def like_input(result, given):
     return torch.from_numpy(result)
 
 
-def flat_view(arr, what):
-    """1-D view of a contiguous numpy array in memory order; ddl.Error if it is not contiguous."""
+def flat_view(arr, what, given=None):
+    """1-D view of a contiguous numpy array in memory order; ddl.Error if it is not contiguous, whose fix
+    speaks the language of ``given`` (the caller's object: a torch tensor has ``.contiguous()``)."""
     if arr.flags.c_contiguous:
         return arr.reshape(-1)
     if arr.flags.f_contiguous:
         return arr.reshape(-1, order="F")
+    fix = "tensor.contiguous()" if callable(getattr(given, "contiguous", None)) else "numpy.ascontiguousarray(...)"
     raise Error(f"{what} is not contiguous in memory (shape {arr.shape}, strides {arr.strides}); ddl needs "
-                f"contiguous buffers: pass numpy.ascontiguousarray(...) or a contiguous slice")
+                f"contiguous buffers: pass {fix} or a contiguous slice")
 
 
 def _whole(value, what, name):
@@ -221,7 +223,7 @@ def parse_buffer(spec, what="buffer", writable=False, bytes_only=False):
         spec, what, f"{what} must be a numpy array or an object with the buffer protocol, got a "
                     f"{type(spec).__name__} of numbers (lists are not buffers: use numpy.array(...))")
     arr = _as_array(buf, what, opaque_ok=bytes_only or dtype is not None)
-    flat = flat_view(arr, what)
+    flat = flat_view(arr, what, buf)
     if dtype is not None:
         dt = resolve_dtype(dtype)
         if dt != flat.dtype:

@@ -126,8 +126,8 @@ def read(path):
                             source) from None
     if _NVIDIA_SMI_ROW.search(text):
         raise TopologyError("this is the output of `nvidia-smi topo -m`, not a topology file: make one from it "
-                            "with `ddl topo import FILE --gpu a100 -o cluster.yaml` (README, \"From nvidia-smi "
-                            "or NCCL\")", source)
+                            "with `ddl topo import FILE --gpu MODEL -o cluster.yaml`, MODEL being your GPUs' (p100, "
+                            "v100, a100, h100 or b200; README, \"From nvidia-smi or NCCL\")", source)
     if text.lstrip().startswith("<system"):
         raise TopologyError("this is NCCL's topology XML, not a topology file: make one from it with `ddl topo "
                             "import FILE -o cluster.yaml` (README, \"From nvidia-smi or NCCL\")", source)

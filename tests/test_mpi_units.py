@@ -128,6 +128,14 @@ def test_torch_tensors_of_bfloat16_are_buffers_and_a_tensor_that_requires_grad_i
             _numbers(tensor, "allreduce")
 
 
+def test_a_strided_tensor_is_told_to_call_contiguous():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ddl.Error, match=r"sendbuf is not contiguous .* pass tensor.contiguous\(\) or a contiguous"):
+        parse_buffer(torch.ones(4, 4)[:, 0], "sendbuf")
+    with pytest.raises(ddl.Error, match=r"pass numpy.ascontiguousarray\(...\) or a contiguous"):
+        parse_buffer(np.ones((4, 4))[:, 0], "sendbuf")
+
+
 def test_functional_allreduce_of_cpu_tensors_returns_tensors():
     """A tensor in, a tensor out (Horovod's rule), bfloat16 too, so that ``p.grad = comm.allreduce(p.grad)``
     works; numpy arrays and scalars come back as they went in."""

@@ -223,6 +223,9 @@ def test_cli_reads_standard_input_and_says_mistakes_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("name", ["dgx1-v100.txt", "pcie-8gpu.txt"])
 def test_a_matrix_given_as_a_topology_file_points_to_the_import(name):
+    from ddl.nvidia_smi import GPU_PRESETS
+    assert set(GPU_PRESETS) == {"p100", "v100", "a100", "h100", "b200"}   # the models the message lists
     with pytest.raises(TopologyError, match=r"output of `nvidia-smi topo -m`, not a topology file: make one from "
-                                            r"it with `ddl topo import"):
+                                            r"it with `ddl topo import FILE --gpu MODEL -o cluster.yaml`, MODEL "
+                                            r"being your GPUs' \(p100, v100, a100, h100 or b200"):
         Topology.load(os.path.join(HERE, "nvidia_smi", name))
