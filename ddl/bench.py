@@ -655,6 +655,7 @@ def measure(opts, world=None, out=None, err=None, memory=None):
     rank, nranks = world.rank, world.size
     out = out or sys.stdout
     err = err or sys.stderr
+    _same_options(opts, world)
     topo = agree(world, lambda: _load_topology(opts, nranks))
     ranks_here = _ranks_on_this_machine(world)
     dtype = np.dtype(opts.dtype)
@@ -878,6 +879,35 @@ def trace_medians(moments, impl, nbytes):
         out[key] = statistics.median(seen) if seen else None
     out["between"] = mine[0]["between"] if mine else "ranks"
     return out
+
+
+# the options that decide what every rank sends, with their command-line names
+_SHARED_OPTIONS = {"sizes": "--bytes", "iters": "--iters", "warmup": "--warmup", "dtype": "--dtype", "op": "--op",
+                   "algorithms": "--algorithms", "peers": "--peers", "device": "--device", "scale": "--scale",
+                   "links": "--links"}
+
+
+def _same_options(opts, world):
+    """Every rank was given the same options (an MPMD launch can give each its own): else one
+    :class:`JobError` naming them, said once, instead of a mismatch in the first collective that every
+    rank would report."""
+    table = world.allgather({name: getattr(opts, name) for name in _SHARED_OPTIONS})
+    differ = [name for name in _SHARED_OPTIONS if any(row[name] != table[0][name] for row in table)]
+    if not differ:
+        return
+
+    def shown(name, value):
+        if name == "sizes":
+            return ",".join(format_size(n).replace(" ", "") for n in value)
+        return ",".join(value) if isinstance(value, list) else str(value)
+    groups = {}
+    for r, row in enumerate(table):
+        groups.setdefault(tuple(shown(n, row[n]) for n in differ), []).append(r)
+    from .agreement import format_ranks
+    parts = [f"{format_ranks(ranks)}: " + " ".join(f"{_SHARED_OPTIONS[n]} {v}" for n, v in zip(differ, values))
+             for values, ranks in groups.items()]
+    raise JobError(f"the ranks were given different options ({'; '.join(parts)}); give every rank the same "
+                   f"command line", speaks=world.rank == 0)
 
 
 def _load_topology(opts, nranks):

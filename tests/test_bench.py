@@ -441,6 +441,20 @@ sys.exit(status)
 """
 
 
+@needs_mpi
+def test_ranks_given_different_options_are_told_once(env):
+    """An MPMD launch gives each rank its own command line: the ranks compare the options that decide what
+    they send before anything runs (they used to meet in the first allreduce, each reporting its mismatch)."""
+    ddl_bench = [sys.executable, "-m", "ddl", "bench", "--iters", "1"]
+    cmd = [*mpi_command(1), *ddl_bench, "--bytes", "1MiB", ":", "-n", "1", *ddl_bench, "--bytes", "2MiB", "--op", "max"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    lines = without_launcher_report(p.stderr).splitlines()
+    assert p.returncode == 2 and lines == ["ddl: error: the ranks were given different options (rank 0: --bytes "
+                                           "1MiB --op sum; rank 1: --bytes 2MiB --op max); give every rank the "
+                                           "same command line"], p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == "", p.stdout
+
+
 def bench_in_rank_folders(tmp_path, env, args, files):
     """``ddl bench ARGS`` on 2 ranks, rank r working in ``tmp_path/r<r>`` where ``files`` (path: text,
     or None for a folder) are made; returns the run and each rank's exit status (None: it never said)."""
