@@ -116,13 +116,14 @@ class Request:
         self._ex, self._engine, self._result = ex, engine, result
 
     @_one_thread
-    def Wait(self):
-        """Block until the collective completed (raising its error, if it failed); returns True."""
+    def Wait(self, status=None):
+        """Block until the collective completed (raising its error, if it failed); returns True.
+        ``status`` (mpi4py's) is accepted and left as it is: a collective has no source or tag to report."""
         self._engine.wait(self._ex)
         return True
 
     @_one_thread
-    def Test(self):
+    def Test(self, status=None):
         """Drive progress once; True when the collective completed."""
         return self._engine.test(self._ex)
 
@@ -141,13 +142,13 @@ class Request:
         return self._ex.done
 
     @staticmethod
-    def Waitall(requests):
+    def Waitall(requests, statuses=None):
         for r in requests:
             r.Wait()
         return True
 
     @staticmethod
-    def Testall(requests):
+    def Testall(requests, statuses=None):
         return all([r.Test() for r in requests])
 
     def __repr__(self):
@@ -962,7 +963,7 @@ class _GroupRequest(Request):
         self._result = results
 
     @_one_thread
-    def Wait(self):
+    def Wait(self, status=None):
         for ex in self._reqs:
             self._engine.wait(ex)
         return True
@@ -971,7 +972,7 @@ class _GroupRequest(Request):
         return f"<ddl.Request grouped_allreduce of {len(self._reqs)} collectives, {'done' if self.done else 'in flight'}>"
 
     @_one_thread
-    def Test(self):
+    def Test(self, status=None):
         return all([self._engine.test(ex) for ex in self._reqs])
 
     test = Test

@@ -221,6 +221,11 @@ def check_nonblocking():
         q.Wait()
     chk.ok(all(np.all(b == sum(range(p)) + p * i) for i, b in enumerate(bufs)), f"{many} Iallreduce in flight")
     chk.ok(ddl.Request.Testall(reqs), "Testall after completion")
+    from mpi4py import MPI
+    status = MPI.Status()                  # mpi4py's signatures: a status is accepted, and left as it is
+    q = comm.Iallreduce(ddl.IN_PLACE, np.ones(2))
+    chk.ok(q.Wait(status) and q.Test(status) and ddl.Request.Waitall([q], [status]) and
+           ddl.Request.Testall([q], [status]), "Wait, Test, Waitall and Testall with mpi4py statuses")
 
 
 def check_two_communicators():
