@@ -54,8 +54,10 @@ import numpy as np
 
 from .errors import MismatchError
 
-COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5, "free": 6}
-COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier", 6: "Free"}
+COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5, "free": 6,
+                    "grouped_allreduce": 7}
+COLLECTIVE_NAMES = {1: "Allreduce", 2: "Reduce_scatter_block", 3: "Allgather", 4: "Bcast", 5: "Barrier", 6: "Free",
+                    7: "grouped_allreduce"}
 REFUSED = 16   # collective code + REFUSED: a call whose arguments its rank refused (see refusal)
 GROUPED = 32   # collective code + GROUPED: the arrays of a grouped call (see grouped)
 GAVE_UP = 64   # the collective code of a board row whose rank gave up on it (see ShmBoard.give_up)
@@ -303,6 +305,9 @@ def mismatch_error(table, seq, rank):
             continue
         if len({row[idx] for row in rows}) > 1 and label not in differs:
             differs.append(label)
+    if all_grouped and differs == [_GROUPED_FIELDS[4][1]]:   # the same totals: an order or a split differs
+        differs = ["the arrays' dtypes or sizes, in order (the same totals: arrays in another order or split "
+                   "otherwise)"]
     msg = (f"ranks disagree on ddl collective #{seq} (reported on rank {rank}): " + "; ".join(parts)
            + (f" [differs in: {', '.join(differs)}]" if differs else ""))
     err = MismatchError(msg)

@@ -200,7 +200,7 @@ def _numbers(array, what):
 
 
 _LABEL = {"allreduce": "Allreduce", "reduce_scatter": "Reduce_scatter_block", "allgather": "Allgather",
-          "broadcast": "Bcast"}
+          "broadcast": "Bcast", "grouped_allreduce": "grouped_allreduce"}
 
 
 # A host collective's entry: an exception before the call took its sequence number (any: a ddl.Error, or
@@ -871,7 +871,7 @@ class Communicator:
         return self.grouped_iallreduce(arrays, op).wait()
 
     @_one_thread
-    @_announced("allreduce")
+    @_announced("grouped_allreduce")
     def grouped_iallreduce(self, arrays, op=SUM):
         """Nonblocking :meth:`grouped_allreduce`. With ``check="always"`` it first waits until every
         rank has called it with the same dtypes and sizes (else MismatchError on every rank): each rank

@@ -221,7 +221,8 @@ def test_a_grouped_call_agrees_on_every_array_and_says_what_differs():
     text = str(mismatch_error([one.with_seq(3), two.with_seq(3)], 3, rank=0))
     assert "rank 1 called grouped_allreduce of 2 arrays, 5 elements in 2 dtypes (SUM)" in text
     assert "[differs in: number of dtypes, the arrays' dtypes or sizes]" in text, text
-    assert "[differs in: the arrays' dtypes or sizes]" in str(mismatch_error([one.with_seq(3), swapped.with_seq(3)], 3, 0))
+    assert "[differs in: the arrays' dtypes or sizes, in order (the same totals: arrays in another order or split " \
+           "otherwise)]" in str(mismatch_error([one.with_seq(3), swapped.with_seq(3)], 3, 0))
     plain = Signature("allreduce", 5, np.dtype(np.float64), ddl.SUM, 0, 11, 22)
     text = str(mismatch_error([plain.with_seq(3), one.with_seq(3)], 3, rank=0))
     assert "rank 0 called Allreduce with 5 float64 (SUM); rank 1 called grouped_allreduce" in text, text

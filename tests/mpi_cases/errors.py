@@ -267,12 +267,13 @@ one_rank_refuses("ragged list on one rank", 1 % p, lambda: comm.allreduce([1.0, 
                  lambda: comm.allreduce([[1.0, 2.0], [3.0]]), ["inhomogeneous"])
 chk.ok(np.array_equal(comm.allreduce(np.full(2, r + 1.0)), np.full(2, p * (p + 1) / 2)), "allreduce after a refusal")
 one_rank_refuses("grouped_allreduce of a ragged list on one rank", last, lambda: comm.grouped_allreduce([np.ones(2)]),
-                 lambda: comm.grouped_allreduce([[[1.0], [2.0, 3.0]]]), ["inhomogeneous"])
+                 lambda: comm.grouped_allreduce([[[1.0], [2.0, 3.0]]]), ["inhomogeneous"], collective="grouped_allreduce")
 # grouped calls run one collective per dtype: ranks that pass different dtypes or sizes must all raise, and
 # start none of them (a collective started on one rank only once paired with the next call: wrong sums)
 for label, mine, says in (
         ("a dtype more on one rank", [np.ones(3), np.ones(2, np.float32)], ["number of dtypes"]),
-        ("array sizes that differ on one rank, same total", [np.ones(2), np.ones(3)], ["the arrays' dtypes or sizes"])):
+        ("array sizes that differ on one rank, same total", [np.ones(2), np.ones(3)],
+         ["the arrays' dtypes or sizes, in order (the same totals"])):
     arrays = mine if r == last else [np.ones(3), np.ones(2)]
     expect(ddl.MismatchError, lambda: comm.grouped_allreduce(arrays), "grouped_allreduce of 2 arrays, 5 elements in",
            *says, label=f"grouped_allreduce with {label}")
