@@ -990,8 +990,11 @@ class Engine:
         if self.agree_queue and self.board is not None:
             if self._poll_board():
                 progressed = True
-        if self.deferred and self._start_deferred():
-            progressed = True
+        if self.deferred:
+            if progressed:    # progress in flight is the queue's too (see _watchdog)
+                self.deferred[0].t_progress = time.monotonic()
+            if self._start_deferred():
+                progressed = True
         return progressed
 
     def _local_failure(self, ex, exc):
