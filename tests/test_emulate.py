@@ -185,7 +185,10 @@ def test_nic_chain_bottleneck_and_hostname():
     for scale in (float("inf"), 1e300, 1e12):
         with pytest.raises(Error, match="scale"):
             plan_network(topo, "x", scale=scale)
-    assert plan_network(topo, "x", scale=1e6).host("b").rate_in == pytest.approx(100e6 * MBIT)
+    assert plan_network(topo, "x", scale=1e4).host("b").rate_in == pytest.approx(1e6 * MBIT)   # 1 Tbit/s
+    # tbf counts its bucket and queue in 32 bits: 10 Tbit/s would wrap its 20 ms queue round to 283 us
+    with pytest.raises(Error, match=r"faster than tc can shape \(up to 204.5 GB/s\): give a smaller --scale"):
+        plan_network(topo, "x", scale=1e5)
 
 
 def test_shaped_links_are_every_direction_of_every_link():
@@ -479,6 +482,67 @@ def test_run_reads_its_options_after_file_up_to_the_command(fake_run, tmp_path, 
         err = capsys.readouterr().err
         assert err.startswith("ddl: error: ") and words in err and err.count("\n") == 1, err
         assert "built" not in fake_run
+
+
+def test_run_help_after_file_a_second_double_dash_and_an_mpiexec_ended_by_a_signal(fake_run, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """``run FILE --help`` is the usage shown as ``FILE [OPTIONS]`` (it was refused as an unknown option);
+    ``-- -- CMD`` runs CMD (no mpiexec takes ``--``); mpiexec ended by signal N exits 128 + N, as a shell
+    says it (Popen's -N came out as 256 - N)."""
+    from ddl.cli import main
+    path = tmp_path / "small.json"
+    small("help").dump(path)
+    for flag in ("--help", "-h"):
+        assert main(["emulate", "run", str(path), "--no-check", flag]) == 0
+        assert "usage:" in capsys.readouterr().out and "built" not in fake_run
+    assert main(["emulate", "run", str(path), "--no-check", "hostname", "--help"]) == 0
+    assert fake_run["cmd"] == ["hostname", "--help"]
+    assert main(["emulate", "run", str(path), "--no-check", "--", "--", "hostname"]) == 0
+    assert fake_run["cmd"] == ["hostname"]
+    monkeypatch.setattr(launch, "run", lambda *a, **kw: subprocess.CompletedProcess(a[1], -signal.SIGKILL))
+    assert main(["emulate", "run", str(path), "--no-check", "--", "sleep", "9"]) == 128 + signal.SIGKILL
+
+
+def test_a_cluster_with_processes_left_in_its_hosts_is_not_run_on(monkeypatch):
+    """A run that was killed leaves its job inside the cluster; a new run would share the links with it."""
+    plan = plan_network(two_rack(), "ddl-7")
+    monkeypatch.setattr(netns, "_netns_pids", lambda ns: [4242] if ns == plan.hosts[1].netns else [])
+    with pytest.raises(Error, match=r"is up with processes still running in its hosts \(pids 4242: a job whose "
+                                    r"`ddl emulate run` was killed\?\).*ddl emulate down"):
+        netns._check_idle(plan)
+    monkeypatch.setattr(netns, "_netns_pids", lambda ns: [])
+    netns._check_idle(plan)
+
+
+def test_ddl_s_warnings_are_one_line_on_the_command_line(capsys):
+    import warnings
+
+    from ddl.cli import _one_line_warnings
+    saved, others = warnings.showwarning, []
+    try:
+        warnings.showwarning = lambda *args, **kw: others.append(args)
+        _one_line_warnings()
+        warnings.showwarning("ranks of one host in different runs", UserWarning, launch.__file__, 184)
+        assert capsys.readouterr().err == "ddl: warning: ranks of one host in different runs\n" and not others
+        warnings.showwarning("another package's", UserWarning, "/elsewhere/x.py", 3)
+        assert others == [("another package's", UserWarning, "/elsewhere/x.py", 3, None, None)]
+    finally:
+        warnings.showwarning = saved
+
+
+def test_up_with_an_mpiexec_it_cannot_use_builds_nothing(monkeypatch, tmp_path, capsys):
+    """The launcher is checked before the cluster is built (it used to be built, and left up, first)."""
+    from ddl.cli import main
+    built = []
+    monkeypatch.setattr(netns.Cluster, "create", classmethod(lambda cls, *a, **kw: built.append(a)))
+
+    def unknown():
+        raise Error("ddl emulate runs jobs with MPICH's, Open MPI's or Intel MPI's mpiexec; x is an unknown MPI's")
+    monkeypatch.setattr(launch, "find_launcher", unknown)
+    path = tmp_path / "small.json"
+    small("up").dump(path)
+    assert main(["emulate", "up", str(path), "--no-check"]) == 2
+    assert "is an unknown MPI's" in capsys.readouterr().err and not built
 
 
 def test_run_refuses_mpiexec_options_it_sets_itself(fake_run, tmp_path, capsys):

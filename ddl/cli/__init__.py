@@ -105,7 +105,23 @@ def build_parser():
     return parser
 
 
+def _one_line_warnings():
+    """ddl's own warnings as the command line says everything else: ``ddl: warning: ...`` on one line,
+    without Python's file and source line; other packages' warnings keep Python's form."""
+    import warnings
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package + os.sep):
+            print(f"ddl: warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
+
+
 def main(argv=None):
+    _one_line_warnings()
     try:
         parser = build_parser()        # (imports every command's module: Ctrl-C may land in it)
     except KeyboardInterrupt:

@@ -6,7 +6,7 @@
 * ``ddl emulate run FILE [--no-check] -- CMD...`` builds, checks, runs CMD under ``mpiexec`` with ranks
   placed as the file's ``ranks`` say, and always tears down: on success, error, Ctrl-C, SIGTERM or
   SIGHUP. The exit status is CMD's (128 + N when ended by signal N). On a cluster that ``up`` left up
-  it runs CMD there and leaves the cluster up (holding it meanwhile, so ``down`` waits its turn).
+  it runs CMD there and leaves the cluster up (holding it meanwhile: ``down`` is refused until it ends).
 
 Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter) and the mpiexec of MPICH (the mpich
 wheel), Open MPI or Intel MPI. Links faster than this machine can push (tens of Gbit/s) cannot be
@@ -116,31 +116,36 @@ def _ending_on_signals(command):
 
 
 def cmd_up(args):
+    """Build, check and describe the cluster; whatever fails on the way (a launcher ddl cannot use, the
+    self-check, an interrupt, a reader that has gone) takes down what was built: ``up`` leaves a
+    cluster up only when it says so."""
+    from ..emulate import launch
     from ..emulate.netns import Cluster
     topo = _load(args.file)
+    launch.find_launcher()          # another MPI's mpiexec, or none: said before anything is built
     cluster = Cluster.create(topo, scale=args.scale, mtu=args.mtu)
     try:
         _describe(cluster, sys.stdout)
         if not args.no_check:
             _check(cluster, topo, sys.stdout)
+        job = launch.mpiexec_argv(cluster, ["CMD"], launch.rank_hosts(topo),
+                                  env={"DDL_TOPOLOGY": os.path.abspath(args.file)})
+        print(f"run an MPI job on it (ranks placed as the file says; CMD: your program and its arguments):\n"
+              f"  ddl emulate run {shlex.quote(args.file)} -- CMD\n"
+              f"or with mpiexec itself:\n"
+              f"  {shlex.join(job)}")
+        print(f"cluster {topo.name!r} is up; remove it with: ddl emulate down {shlex.quote(args.file)}")
+        sys.stdout.flush()
     except BaseException:
         cluster.down()
         raise
-    from ..emulate import launch
-    job = launch.mpiexec_argv(cluster, ["CMD"], launch.rank_hosts(topo),
-                              env={"DDL_TOPOLOGY": os.path.abspath(args.file)})
-    print(f"run an MPI job on it (ranks placed as the file says; CMD: your program and its arguments):\n"
-          f"  ddl emulate run {shlex.quote(args.file)} -- CMD\n"
-          f"or with mpiexec itself:\n"
-          f"  {shlex.join(job)}")
-    print(f"cluster {topo.name!r} is up; remove it with: ddl emulate down {args.file}")
     return 0
 
 
 def cmd_down(args):
-    from ..emulate.netns import Cluster, check_can_emulate, state_dir_for
+    from ..emulate.netns import TEARDOWN_TOOLS, Cluster, check_can_emulate, state_dir_for
     name = _cluster_name(args.file)
-    check_can_emulate()
+    check_can_emulate(TEARDOWN_TOOLS)
     state = state_dir_for(name)
     if not (state / "state.json").exists():
         raise Error(f"no emulated cluster {name!r} is up (nothing recorded in {state})")
@@ -151,8 +156,14 @@ def cmd_down(args):
 
 def _cluster_name(arg):
     """The topology's name when ``arg`` is a readable file, else ``arg`` itself (a cluster name)."""
+    from ..emulate.netns import state_dir_for
     if Path(arg).is_file():
         return _load(arg).name
+    if state_dir_for(arg).exists():       # a name, even one that looks like a path
+        return arg
+    if Path(arg).exists():
+        raise Error(f"{arg} is a folder, not a topology file; give the file the cluster was built from, "
+                    f"or the cluster's name")
     if "/" in arg or arg.lower().endswith((".yaml", ".yml", ".json")):
         raise Error(f"{arg}: no such file; give the topology file the cluster was built from, or the "
                     f"cluster's name")
@@ -163,6 +174,9 @@ def cmd_run(args):
     from ..emulate import launch
     from ..emulate.netns import Cluster
     cmd = _split_command(args)
+    if cmd is None:                 # --help among the options after FILE
+        args._parser.print_help()
+        return 0
     if not cmd:
         raise Error("nothing to run: give the command after --, e.g. "
                     "ddl emulate run FILE -- python train.py")
@@ -183,7 +197,8 @@ def cmd_run(args):
         except launch.JobTimedOut as exc:
             print(f"ddl: {exc}", file=sys.stderr)
             return TIMED_OUT
-    return res.returncode
+    # mpiexec ended by signal N (Popen says -N): 128 + N, as a shell says it
+    return 128 - res.returncode if res.returncode < 0 else res.returncode
 
 
 TIMED_OUT = 124
@@ -230,8 +245,9 @@ def _split_command(args):
     """
     typed = getattr(args, "argv", [])
     if "--" in typed and typed[typed.index("--") + 1:] == args.cmd:
-        return args.cmd      # `run FILE -- CMD`: argparse took the `--`, and everything after it is CMD
+        return _without_dashes(args.cmd)    # `run FILE -- CMD`: argparse took the `--`; the rest is CMD
     late = argparse.ArgumentParser(prog="ddl emulate run", add_help=False, exit_on_error=False)
+    late.add_argument("-h", "--help", action="store_true")
     late.add_argument("--no-check", action="store_true", default=args.no_check)
     late.add_argument("--scale", type=float, default=args.scale)
     late.add_argument("--mtu", default=args.mtu)
@@ -245,9 +261,16 @@ def _split_command(args):
         raise Error(f"unknown option {unknown[0]} before the command: ddl emulate run takes --no-check, "
                     "--scale, --mtu and --timeout there; put options meant for mpiexec or the command "
                     "after --, e.g. ddl emulate run FILE -- CMD ...")
-    cmd = opts.cmd[1:] if opts.cmd[:1] == ["--"] else opts.cmd
-    vars(args).update({k: v for k, v in vars(opts).items() if k != "cmd"})
+    if opts.help:
+        return None
+    cmd = _without_dashes(opts.cmd[1:] if opts.cmd[:1] == ["--"] else opts.cmd)
+    vars(args).update({k: v for k, v in vars(opts).items() if k not in ("cmd", "help")})
     return cmd
+
+
+def _without_dashes(cmd):
+    """CMD without a second `--` (``run FILE -- -- CMD``): no mpiexec takes one before a program."""
+    return cmd[1:] if cmd[:1] == ["--"] else cmd
 
 
 def _check(cluster, topo, out):

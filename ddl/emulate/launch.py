@@ -249,7 +249,7 @@ def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=Non
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop(proc)
-        raise JobTimedOut(f"MPI job `{' '.join(argv)}` did not finish in {timeout:g} s; it was stopped") from None
+        raise JobTimedOut(f"MPI job `{shlex.join(argv)}` did not finish in {timeout:g} s; it was stopped") from None
     except BaseException:
         stop(proc)
         raise

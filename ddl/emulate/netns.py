@@ -55,10 +55,13 @@ TBF_BURST_SECONDS = 1e-3
 """Bucket of fast links: 1 ms worth of the rate. tc keeps the bucket as a time at its clock's
 resolution, so a 64 KiB bucket on a 1.6 Tbit/s link rounds to zero and would drop everything."""
 
+TBF_LATENCY_SECONDS = 0.02
 TBF_LATENCY = "20ms"
 """tbf queue length expressed as delay: enough for TCP to fill the link, small enough to stay fair."""
-# tc takes a rate in bits per second as a 64-bit number: a scaled link must stay below it.
-MAX_SHAPED_BITS = 2 ** 63
+MAX_SHAPED_BITS = int(8 * (2 ** 32 - 1) / (TBF_BURST_SECONDS + TBF_LATENCY_SECONDS))
+"""The fastest rate shaped as asked (1.6 Tbit/s): tbf holds its bucket and its queue (the rate times
+:data:`TBF_LATENCY`, plus the bucket) in 32-bit byte counts. Above it tc refuses the bucket, or the
+queue wraps round to a few hundred microseconds and the link drops what a fabric would queue."""
 MIN_SHAPED_BITS = 8000
 """tc's smallest rate (8 kbit/s): a slower link is refused, not quietly run faster than the file says."""
 
@@ -260,7 +263,7 @@ def _check_shapeable(host_plans, uplinks, scale, mtu):
               for a, b, rate in ((u.a, u.b, u.rate_ab), (u.b, u.a, u.rate_ba))]
     if not links:
         return
-    if max(rate for _, rate in links) * 8 >= MAX_SHAPED_BITS:
+    if max(shaped_bits(rate, mtu) for _, rate in links) >= MAX_SHAPED_BITS:
         raise Error(f"bandwidth scale {scale} makes links faster than tc can shape (up to "
                     f"{format_bandwidth(MAX_SHAPED_BITS / 8)}): give a smaller --scale")
     where, rate = min(links, key=lambda link: link[1])
@@ -396,6 +399,7 @@ def topo_capacity(graph, u, v):
 # ----------------------------------------------------------------------------------------------------
 
 REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "umount")
+TEARDOWN_TOOLS = ("ip", "umount")      # what taking a cluster down uses
 
 
 def check_can_emulate(tools=REQUIRED_TOOLS):
@@ -469,6 +473,7 @@ class Cluster:
             old = live_cluster(state_dir)
             if old is not None and reuse:
                 _check_same_links(old.plan, topo, scale, mtu)
+                _check_idle(old.plan)
                 return cls(old.plan, state_dir, lock, borrowed=True)
             if old is not None:
                 raise Error(f"an emulated cluster {topo.name!r} is already up ({old.plan.tag}"
@@ -652,7 +657,7 @@ def lock_state(state_dir, name):
             os.close(fd)
             raise Error(f"emulated cluster {name!r} is being built, run or removed by another process"
                         f"{f' (pid {holder})' if holder.isdigit() else ''}: wait for it to finish, or "
-                        "end it (it tears the cluster down)") from None
+                        "end it (a build, or a run of a cluster it built, then tears that cluster down)") from None
         try:
             current = os.stat(path)
         except FileNotFoundError:
@@ -701,6 +706,18 @@ def live_cluster(state_dir):
     with _signals_deferred():
         old._down()
     return None
+
+
+def _check_idle(plan):
+    """Refuse to run on a cluster in whose hosts processes still run: nobody holds its lock, so they
+    are a job whose ``ddl emulate run`` was killed (or the user's own), and they would share the links
+    with the new job."""
+    pids = sorted(pid for h in plan.hosts for pid in _netns_pids(h.netns))
+    if pids:
+        shown = ", ".join(map(str, pids[:8])) + (" ..." if len(pids) > 8 else "")
+        raise Error(f"emulated cluster {plan.name!r} ({plan.tag}) is up with processes still running in its "
+                    f"hosts (pids {shown}: a job whose `ddl emulate run` was killed?), which would share its "
+                    f"links; end them, or take the cluster down with `ddl emulate down {plan.name}`")
 
 
 def _check_same_links(plan, topo, scale, mtu):

@@ -27,6 +27,7 @@ SAME_HOST, SAME_SWITCH, ACROSS = "same host", "same switch", "across switches"
 TARGET_SECONDS = 0.6          # duration of one timed transfer at the expected rate
 MIN_BYTES, MAX_BYTES, SAME_HOST_BYTES = 4 << 20, 256 << 20, 64 << 20
 REPEATS = 2                   # best of: the first transfer of a pair may still be in TCP slow start
+SLOW_CHECK_SECONDS = 20       # a self-check expected to take longer says so first
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,11 @@ def selfcheck(cluster, topo=None, timeout=None, out=None):
     if not pairs:
         return []
     placement, tests = _job(plan, pairs)
-    budget = timeout or 30 + 3 * REPEATS * sum(t["bytes"] / (t["expected"] or 1e9) for t in tests)
+    seconds = REPEATS * sum(t["bytes"] / (t["expected"] or 1e9) for t in tests)
+    if seconds > SLOW_CHECK_SECONDS:   # slow links: say why nothing seems to happen, and how to skip it
+        print(f"  (the transfers take about {seconds:.0f} s at these rates; --no-check skips the self-check)",
+              file=out or sys.stdout, flush=True)
+    budget = timeout or 30 + 3 * seconds
     res = launch.run(cluster, [sys.executable, "-m", __name__, json.dumps(tests)], placement,
                      timeout=budget, capture=True)
     results = _parse(res, tests, placement)
