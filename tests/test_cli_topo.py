@@ -242,3 +242,13 @@ def test_import_refuses_a_gpu_or_nic_listed_twice(capsys, tmp_path, option, valu
               "-o", str(tmp_path / "x.yaml")])
     err = capsys.readouterr().err
     assert info.value.code == 2 and f"argument {option}: {says}" in err and not (tmp_path / "x.yaml").exists()
+
+
+def test_import_refuses_to_write_over_the_file_it_imports(capsys, tmp_path):
+    """(`-o` naming the input replaced the matrix with YAML, as `ddl plan --save` refuses to.)"""
+    matrix = tmp_path / "m.txt"
+    original = (Path(__file__).parent / "nvidia_smi" / "dgx-a100.txt").read_text()
+    matrix.write_text(original)
+    assert main(["topo", "import", str(matrix), "--gpu", "a100", "-o", str(matrix)]) == 2
+    assert f"-o {matrix} is the file being imported" in capsys.readouterr().err
+    assert matrix.read_text() == original

@@ -445,3 +445,16 @@ def test_without_a_file_auto_takes_fewer_messages_within_the_margin(nranks):
 
     vouched = Topology.from_dict(flat.to_dict(), source="flat.yaml")
     assert Planner(vouched, use_disk_cache=False).plan("allreduce", nbytes).algorithm == fastest
+
+
+def _die(name):
+    os._exit(9)
+
+
+def test_a_worker_that_dies_is_a_plan_error_that_says_what_to_do(monkeypatch):
+    """A worker ended by the system (for memory, say) broke the pool: the traceback of BrokenProcessPool."""
+    import ddl.planner as planner_module
+    monkeypatch.setattr(planner_module, "_build_forked", _die)
+    monkeypatch.setattr(planner_module, "_simulate_forked", _die)
+    with pytest.raises(planner_module.PlanError, match=r"a planner worker process died .* plan with fewer workers"):
+        _planner("fat-tree-4x4-r8", workers=2).plan("allreduce", 1 << 20)

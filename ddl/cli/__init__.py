@@ -142,6 +142,10 @@ def main(argv=None):
     except Error as exc:
         print(f"ddl: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("ddl: error: out of memory (a topology of very many ranks? plan a smaller one, or give the "
+              "process more memory)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         say_interrupted()
         return 130

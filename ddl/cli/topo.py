@@ -664,6 +664,9 @@ def cmd_import(args):
 
     if args.output is not None:
         check_output_file("-o", args.output, "cluster.yaml")
+        if args.file != "-" and os.path.exists(args.output) and os.path.exists(args.file) \
+                and os.path.samefile(args.output, args.file):
+            raise Error(f"-o {args.output} is the file being imported: name another file for the topology")
     source = "<stdin>" if args.file == "-" else args.file
     try:
         text = sys.stdin.read() if args.file == "-" else pathlib.Path(args.file).read_text(encoding="utf-8")
