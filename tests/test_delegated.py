@@ -132,3 +132,22 @@ def test_the_core_keeps_the_paths_its_plan_pinned_under_the_ranks_it_runs_on():
     base = ALGORITHMS["tree-packing"](core_topo, "allreduce", nbytes=64 << 20)
     assert base.routes and sched.routes == {(a + 2, b + 2): paths for (a, b), paths in base.routes.items()}
     simulate(topo, sched, 64 << 20)        # every pinned path runs between the ranks it is pinned for
+
+
+def test_a_slow_rank_that_joins_two_switches_forwards_nothing():
+    """The core is planned where the slow ranks are no ranks, so its pinned routes may pass through a slow
+    host (here h4, joined to both switches, a wider way between them than their own link): a rank forwards
+    nothing, and the composed schedule once failed its own check ("passes through 'h4', which does not
+    forward data"). Such pairs take the topology's routes."""
+    topo = Topology.from_dict({"name": "dualhomed", "nodes": [
+        {"id": "sw0", "kind": "switch"}, {"id": "sw1", "kind": "switch"}, {"id": "h{i}", "kind": "host", "for": {"i": 5}}],
+        "links": [{"a": "h{i}", "b": "sw0", "bandwidth": "100 GB/s", "for": {"i": [0, 1]}},
+                  {"a": "h{i}", "b": "sw1", "bandwidth": "100 GB/s", "for": {"i": [2, 3]}},
+                  {"a": "sw0", "b": "sw1", "bandwidth": "1 GB/s"},
+                  {"a": "h4", "b": "sw0", "bandwidth": "10 GB/s"}, {"a": "h4", "b": "sw1", "bandwidth": "10 GB/s"}],
+        "ranks": [{"id": "h{i}", "for": {"i": 5}}]})
+    sched = ALGORITHMS["delegated"](topo, "allreduce", nbytes=64 << 20)
+    verify(sched)
+    assert sched.info["slow_hosts"] == [[4]]
+    assert all("h4" not in path[1:-1] for paths in sched.routes.values() for path, _ in paths)
+    assert simulate(topo, sched, 64 << 20).seconds >= lower_bound(topo, "allreduce", 64 << 20).seconds

@@ -49,6 +49,8 @@ command.
 Collectives: allreduce only. In reduce-scatter and allgather every rank owns a block of the result,
 so a slow host cannot stand in for its ranks with one sum.
 """
+import dataclasses
+
 from ..bounds import lower_bound
 from ..errors import PlanError
 from ..schedule import RECV, REDUCE, SEND, Op, Schedule
@@ -231,6 +233,15 @@ def delegated_schedule(base, core, slow, delegates, nbytes=None):
                           "pieces": sorted(set(pieces)), "ramp_chunks": len(ramp)})
 
 
+def _routes_avoiding(sched, vertices):
+    """``sched`` without the pinned routes that pass through one of ``vertices`` (the slow ranks'): the
+    core was planned on a fabric where they were no ranks, so their hosts forwarded, but a rank forwards
+    nothing. Such a pair takes the topology's own routes (pinned routes steer the model, not the data)."""
+    keep = {pair: paths for pair, paths in sched.routes.items()
+            if not any(v in vertices for path, _share in paths for v in path[1:-1])}
+    return sched if len(keep) == len(sched.routes) else dataclasses.replace(sched, routes=keep)
+
+
 def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
     """Slow hosts reduce at home and delegate to a core planned by ``bases`` (see the module
     docstring); the composed schedule that simulates fastest at ``nbytes``, each after the first
@@ -256,7 +267,8 @@ def delegated(topo, collective, *, root=0, nbytes=None, bases=CORE_BASES):
         except PlanError as exc:
             reasons[name] = str(exc)
             continue
-        sched = delegated_schedule(base, core, slow, delegates, nbytes)
+        sched = _routes_avoiding(delegated_schedule(base, core, slow, delegates, nbytes),
+                                 {topo.ranks[r] for ranks in slow for r in ranks})
         if first_only:
             return sched
         seconds, at_least = try_variant(topo, sched, nbytes, None if kept is None else kept[0])
