@@ -537,20 +537,19 @@ def _forked_workers(workers, jobs, shared):
     pool = ProcessPoolExecutor(min(workers, jobs), mp_context=multiprocessing.get_context("fork"))
     try:
         yield pool
-    except BrokenProcessPool:
-        _FORKED = None
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise PlanError(f"a planner worker process died (the system may have ended it for want of memory: "
-                        f"{workers} workers each hold a copy of the plan's candidates); plan with fewer "
-                        f"workers (Planner(..., workers=1), ddl plan --workers 1)") from None
-    except BaseException:
-        _FORKED = None
+    except BaseException as exc:
         pool.shutdown(wait=False, cancel_futures=True)    # an error or an interrupt: no waiting for jobs
+        if isinstance(exc, BrokenProcessPool):
+            raise PlanError(f"a planner worker process died (the system may have ended it for want of memory: "
+                            f"{workers} workers each hold a copy of the plan's candidates); plan with fewer "
+                            f"workers (Planner(..., workers=1), ddl plan --workers 1)") from None
         raise
-    _FORKED = None
-    # every job has ended (the callers wait for all): waiting costs nothing, and an interpreter that
-    # exits while the pool's manager thread still closes its pipes prints "Bad file descriptor"
-    pool.shutdown(wait=True)
+    else:
+        # every job has ended (the callers wait for all): waiting costs nothing, and an interpreter that
+        # exits while the pool's manager thread still closes its pipes prints "Bad file descriptor"
+        pool.shutdown(wait=True)
+    finally:
+        _FORKED = None
 
 
 def _build_forked(name):

@@ -50,10 +50,8 @@ LINK_KEYS = ("a", "b", "bandwidth", "latency", "count", "directed")
 RANK_KEYS = ("id",)
 TIER_KEYS = ("name", "count", "bandwidth", "latency", "kind")
 
-# Vertex id prefix and kind of the children created by each tier of the hierarchy form, innermost
-# first; the first tier's kind may be overridden by its `kind` key.
-# (id prefix, kind) of each tier's nodes, innermost first: GPU or CPU ranks in hosts in racks, or hosts in
-# racks in pods where the ranks are the hosts themselves
+# (id prefix, kind) of the nodes each tier of the hierarchy form creates, innermost first, by the first
+# tier's kind: GPU or CPU ranks in hosts in racks, or hosts in racks in pods where the ranks are hosts
 _TIER_NODES = {"gpu": (("gpu", "gpu"), ("h", "host"), ("r", "switch")),
                "cpu": (("cpu", "cpu"), ("h", "host"), ("r", "switch")),
                "host": (("h", "host"), ("r", "switch"), ("p", "switch"))}

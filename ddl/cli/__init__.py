@@ -26,6 +26,12 @@ def launcher_rank():
     return 0
 
 
+def same_file_as_any(path, files):
+    """Whether ``path`` is one of ``files`` (the same file, by whatever name): a file an option writes
+    must not be one the command reads, which it would replace."""
+    return os.path.exists(path) and any(os.path.exists(f) and os.path.samefile(path, f) for f in files)
+
+
 def check_output_file(option, path, example):
     """Fail before the work, not after it: ``path`` (given with ``option``) must name a file that can be
     written, in a folder that exists. One wording for every option that writes a file; ``example`` is
@@ -109,14 +115,17 @@ def _one_line_warnings():
     """ddl's own warnings as the command line says everything else: ``ddl: warning: ...`` on one line,
     without Python's file and source line; other packages' warnings keep Python's form."""
     import warnings
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shown = warnings.showwarning
+    if getattr(shown, "ddl_one_line", False):     # installed by an earlier main() of this process
+        return
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def show(message, category, filename, lineno, file=None, line=None):
         if os.path.abspath(filename).startswith(package + os.sep):
             print(f"ddl: warning: {message}", file=file or sys.stderr, flush=True)
         else:
             shown(message, category, filename, lineno, file, line)
+    show.ddl_one_line = True
     warnings.showwarning = show
 
 

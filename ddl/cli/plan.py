@@ -5,7 +5,7 @@ import os
 from ..errors import PlanError, ScheduleError
 from ..schedule import COLLECTIVES, Schedule
 from ..units import format_bandwidth, format_seconds, format_size, parse_size
-from . import check_output_file
+from . import check_output_file, same_file_as_any
 
 TIMELINE_SLICES = 60      # --timeline: the run cut into this many equal slices
 TIMELINE_LEVELS = " .:-=+*#%@"   # idle ... full, a tenth per step
@@ -86,7 +86,7 @@ def run(args):
         raise PlanError(f"--root {args.root}: {args.collective} has no root (--root is for --collective broadcast)")
     if args.save is not None:
         check_output_file("--save", args.save, "plan.json")
-        if os.path.exists(args.save) and any(os.path.exists(f) and os.path.samefile(args.save, f) for f in args.files):
+        if same_file_as_any(args.save, args.files):
             raise PlanError(f"--save {args.save} is the topology file itself: name another file for the schedule")
     topos = []
     for path in args.files:            # every file read and checked before any is planned

@@ -24,7 +24,7 @@ from .. import nvidia_smi
 from ..node_import import DEFAULT_CPU_LINK, parse_rate
 from ..errors import Error
 from ..units import format_bandwidth
-from . import check_output_file
+from . import check_output_file, same_file_as_any
 from .argtypes import at_least, list_of, reported
 
 KIND_STYLE = OrderedDict([
@@ -664,8 +664,7 @@ def cmd_import(args):
 
     if args.output is not None:
         check_output_file("-o", args.output, "cluster.yaml")
-        if args.file != "-" and os.path.exists(args.output) and os.path.exists(args.file) \
-                and os.path.samefile(args.output, args.file):
+        if args.file != "-" and same_file_as_any(args.output, [args.file]):
             raise Error(f"-o {args.output} is the file being imported: name another file for the topology")
     source = "<stdin>" if args.file == "-" else args.file
     try:
