@@ -344,8 +344,8 @@ class Planner:
         built = {}
         made, fastest = self._build_all(names, collective, nbytes, root, beat, slack)
         for name, sched in made.items():
-            if isinstance(sched, PlanError):
-                skipped[name] = str(sched)
+            if isinstance(sched, PlanError):   # said beside its name: once is enough
+                skipped[name] = str(sched).removeprefix(f"{name}: ")
             elif isinstance(sched, ScheduleError):   # an algorithm's bug must not stop the others: said, not hidden
                 if name == algorithm:
                     raise sched
@@ -743,7 +743,7 @@ def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
             head += " (nothing moves: every algorithm takes no time)"
         elif baselines:
             runner, runner_s = min(baselines.items(), key=lambda kv: kv[1])
-            head += (f", {runner_s / seconds:.2f}x faster than the next best "
+            head += (f", {_lead(runner_s / seconds)} the next best "
                      f"{'run to its end ' if outpaced else ''}({runner}, {format_seconds(runner_s)})")
         if not baselines:
             head += "; every other was stopped once it could not win"
@@ -752,6 +752,16 @@ def _explain(chosen, requested, seconds, baselines, outpaced, bound, nbytes):
         elif outpaced:
             head += f"; {len(outpaced)} more were stopped once they could not win"
     return head + _regime(seconds, bound)
+
+
+def _lead(ratio):
+    """How much faster the chosen algorithm is than the next best, in words that do not claim a lead
+    the printed figure cannot show (a tie printed as "1.00x faster")."""
+    if ratio >= 1.005:
+        return f"{ratio:.2f}x faster than"
+    if ratio >= 1.0005:
+        return f"{(ratio - 1) * 100:.1f}% faster than"
+    return "as fast as"
 
 
 def _explain_fewer(chosen, sim, fastest, fastest_sim, margin, bound):

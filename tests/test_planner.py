@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import ddl.planner as planner_module
+from ddl.bounds import Bound
 from ddl.errors import ScheduleError
 from ddl.schedule import Schedule
 from ddl.cli import main
@@ -202,6 +203,18 @@ def test_plan_text_says_what_was_not_planned(capsys, tmp_path, monkeypatch):
     assert main(["plan", str(ZOO / "emulated-2rack.yaml"), "--bytes", "1MiB", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     assert f"not planned: {MCF} (one path per rank pair" in out
+    assert main(["plan", str(ZOO / "dgx-a100-4x8.yaml"), "--bytes", "64MiB", "--workers", "1"]) == 0
+    skips = [line for line in capsys.readouterr().out.splitlines() if "not planned: " in line]
+    assert skips and all(f"({line.split()[2]}: " not in line for line in skips), skips   # the name once
+
+
+@pytest.mark.parametrize("runner_s, says", [(2.0, "2.00x faster than the next best"),
+                                            (1.002, "0.2% faster than the next best"),
+                                            (1.0001, "as fast as the next best"), (1.0, "as fast as the next best")])
+def test_the_lead_over_the_next_best_is_never_a_printed_tie_called_faster(runner_s, says):
+    bound = Bound(seconds=0.5, bandwidth_seconds=0.5, latency_seconds=0.001)
+    text = planner_module._explain("ring", "auto", 1.0, {"tree": runner_s}, [], bound, 1 << 20)
+    assert says in text and "1.00x" not in text
 
 
 def test_plan_text_flags_a_prediction_below_the_latency_bound(capsys, tmp_path, monkeypatch):
@@ -453,7 +466,6 @@ def _die(name):
 
 def test_a_worker_that_dies_is_a_plan_error_that_says_what_to_do(monkeypatch):
     """A worker ended by the system (for memory, say) broke the pool: the traceback of BrokenProcessPool."""
-    import ddl.planner as planner_module
     monkeypatch.setattr(planner_module, "_build_forked", _die)
     monkeypatch.setattr(planner_module, "_simulate_forked", _die)
     with pytest.raises(planner_module.PlanError, match=r"a planner worker process died .* plan with fewer workers"):
