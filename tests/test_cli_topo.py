@@ -234,9 +234,15 @@ def test_words_left_over_are_refused_with_the_usage_of_their_command(capsys, arg
 
 
 @pytest.mark.parametrize("option,value,says", [("--gpus", "0,1,0", "0 is listed twice in '0,1,0'"),
-                                               ("--nics", "mlx5_0, mlx5_0", "mlx5_0 is listed twice")])
-def test_import_refuses_a_gpu_or_nic_listed_twice(capsys, tmp_path, option, value, says):
-    """(The duplicate was dropped without a word: one GPU fewer than the user listed.)"""
+                                               ("--nics", "mlx5_0, mlx5_0", "mlx5_0 is listed twice"),
+                                               ("--gpus", "", "an empty list"),
+                                               ("--gpus", "0,,1", "an empty entry in '0,,1'"),
+                                               ("--nics", "mlx5_0,", "an empty entry in 'mlx5_0,'"),
+                                               ("--gpus", "a", "not an integer: 'a'"),
+                                               ("--gpus", "0,-1", "at least 0, got -1")])
+def test_import_refuses_a_gpu_or_nic_list_with_a_typo(capsys, tmp_path, option, value, says):
+    """(A duplicate was dropped without a word: one GPU fewer than the user listed; an empty entry was
+    Python's int() message.)"""
     with pytest.raises(SystemExit) as info:
         main(["topo", "import", str(Path(__file__).parent / "nvidia_smi" / "dgx-a100.txt"), "--gpu", "a100", option, value,
               "-o", str(tmp_path / "x.yaml")])

@@ -99,15 +99,21 @@ def positive_float(text):
     return value
 
 
-def list_of(parse, unique=True):
-    """An argparse type: comma-separated values, each stripped of spaces and read by ``parse``; a value
-    given twice is refused (``--gpus 0,0`` would otherwise lose a GPU without a word) unless the list
-    is not a set (``unique=False``: iterations per size, ``1000,1000``)."""
+def list_of(parse):
+    """An argparse type: comma-separated values, each stripped of spaces and read by ``parse`` (a plain
+    parser or an argparse type); an empty entry is refused (``0,,1`` is a typo, not two GPUs), and so is
+    a value given twice (``--gpus 0,0`` would otherwise lose a GPU without a word)."""
     parse = reported(parse)
 
     def parse_all(text):
-        values = [parse(item.strip()) for item in text.split(",")]
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None) if unique else None
+        items = [item.strip() for item in text.split(",")]
+        if not text.strip():
+            raise argparse.ArgumentTypeError("an empty list: name at least one")
+        if "" in items:
+            raise argparse.ArgumentTypeError(f"an empty entry in {text!r}: separate the entries by single "
+                                             f"commas")
+        values = [parse(item) for item in items]
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
         if twice is not None:
             raise argparse.ArgumentTypeError(f"{twice} is listed twice in {text!r}")
         return values

@@ -102,7 +102,7 @@ def register(subparsers):
                         "needed with --hosts")
     p.add_argument("--nics", type=list_of(str), metavar="LIST",
                    help="the NICs that carry the job, by name (mlx5_0,mlx5_1; nvidia-smi: or column; default all)")
-    p.add_argument("--gpus", type=list_of(int), metavar="LIST",
+    p.add_argument("--gpus", type=list_of(at_least(0)), metavar="LIST",
                    help="the GPUs that are ranks, by index (0,1,4,5; default all)")
     p.add_argument("--nvlink-domain", type=at_least(1), metavar="N",
                    help="multi-node NVLink: N hosts in a row share their NVSwitches (18 trays of a GB200 NVL72 "
