@@ -84,6 +84,10 @@ def read_matrix(text, source="<stdin>"):
                 raise TopologyError(f"line {number}: row {a}, column {b}: {cell!r} is not a path kind "
                                     f"nvidia-smi prints (X on the diagonal; NV#, PIX, PXB, PHB, NODE "
                                     f"or SYS elsewhere)", source)
+            if _nvlinks(cell) > MAX_NVLINKS_PER_GPU:
+                raise TopologyError(f"line {number}: row {a}, column {b}: {cell} bonds {_nvlinks(cell)} NVLinks, "
+                                    f"more than a GPU has (at most {MAX_NVLINKS_PER_GPU}); pass the matrix as "
+                                    f"nvidia-smi printed it", source)
             if a != b:
                 paths[a, b] = cell
         if extra.get("NUMA Affinity", "").isdigit():

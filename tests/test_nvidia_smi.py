@@ -141,6 +141,8 @@ def test_affinity_columns_and_legend():
 @pytest.mark.parametrize("edit, words", [
     (lambda t: "nothing to see\n", ["not the output of `nvidia-smi topo -m`"]),
     (lambda t: t.replace("GPU3\tNV1\tNV2\tNV2", "GPU3\tNV1\tNV2\tNVX", 1), ["row GPU3, column GPU2", "'NVX'"]),
+    (lambda t: t.replace("GPU3\tNV1\tNV2\tNV2", "GPU3\tNV1\tNV2\tNV999", 1), ["row GPU3, column GPU2", "NV999 bonds 999",
+                                                                           "at most 18"]),
     (lambda t: t.replace("GPU5\tSYS\tNV1", "GPU5\tSYS\tNV2", 1), ["row GPU1 says NV1 to GPU5", "GPU5 says NV2"]),
     (lambda t: "".join(line for line in t.splitlines(True) if not line.startswith("NIC2")), ["no row for NIC2"]),
     (lambda t: t.replace("NIC3\tSYS\tSYS\tSYS\tSYS\tPHB", "NIC3\tSYS\tSYS", 1), ["row NIC3 has 9 entries for 12 columns"]),
