@@ -735,9 +735,21 @@ def _string(entry, key, where, label, what):
         _fail(where, label or key, f"missing key {key!r}; {what} needs {key}")
     value = entry[key]
     if not isinstance(value, str) or not value:
-        hint = f"; quote it: {key}: \"{value}\"" if isinstance(value, (int, float)) else ""
-        _fail(where, label or key, f"{key} must be a non-empty string, not {_a(value)}{hint}")
+        _fail(where, label or key, f"{key} must be a non-empty string, not {_a(value)}{_quote_hint(key, value)}")
     return _text(value, key, where, label)
+
+
+def _quote_hint(key, value):
+    """How to make YAML read a name it took for a number or a boolean as text. The loaded value is not
+    what the file said (``no``, ``off`` and ``false`` all load as False; ``010`` as 8), so the hint
+    asks for the file's own spelling and shows one."""
+    if isinstance(value, bool):
+        words = "yes, on or true" if value else "no, off or false"
+        return (f": YAML reads an unquoted {words} as a boolean; quote it as the file spells it, "
+                f"e.g. {key}: \"{'yes' if value else 'no'}\"")
+    if isinstance(value, (int, float)):
+        return f"; quote it as the file spells it, e.g. {key}: \"{value}\""
+    return ""
 
 
 def _optional_string(entry, key, where, label=None):

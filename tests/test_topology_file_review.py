@@ -166,3 +166,14 @@ def test_for_labels_and_templates_are_unchanged_for_ordinary_values():
     data["nodes"][1]["kind"] = 7
     with pytest.raises(TopologyError, match=r"nodes\[1\] \(i=0, p=\[0, 1\]\): kind must be a non-empty string"):
         Topology.from_dict(data)
+
+
+@pytest.mark.parametrize("spelling, says", [
+    ("no", 'not a boolean (False): YAML reads an unquoted no, off or false as a boolean; quote it as the file '
+           'spells it, e.g. id: "no"'),
+    ("ON", 'not a boolean (True): YAML reads an unquoted yes, on or true as a boolean'),
+    ("7", 'not a number (7); quote it as the file spells it, e.g. id: "7"')])
+def test_a_name_yaml_read_as_a_boolean_or_number_is_told_how_to_quote_it(tmp_path, spelling, says):
+    """(`id: no` was told to quote it as "False", the loaded value rather than the file's word.)"""
+    err = load_error(tmp_path, f"name: t\nnodes:\n  - {{id: {spelling}, kind: gpu}}\nlinks: []\nranks: [x]\n")
+    assert err.entry == "nodes[0]" and "id must be a non-empty string, " + says in str(err), str(err)
