@@ -522,8 +522,27 @@ def _fill(body, env, where, label):
     """Format every string value of an entry's ``body`` with the loop variables. Only the values
     themselves: every key of an entry takes a scalar, and a list or mapping there (refused later, and
     described short) may be a YAML alias standing for gigabytes, not to be walked or copied whole."""
-    return {key: _fill_string(value, env, where, label) if isinstance(value, str) else value
-            for key, value in body.items()}
+    filled = {key: _fill_string(value, env, where, label) if isinstance(value, str) else value
+              for key, value in body.items()}
+    for key in TYPED_TEMPLATE_KEYS.intersection(body):
+        if isinstance(body[key], str):
+            filled[key] = _read_back(filled[key])
+    return filled
+
+
+# Keys that take a number or a boolean: a template there ('count: "{n}"') fills in text, read back as
+# YAML would have read the loop value written unquoted.
+TYPED_TEMPLATE_KEYS = frozenset({"count", "directed"})
+
+
+def _read_back(text):
+    if len(text) > 20:              # no count or flag: left as text, for the key's own check to refuse
+        return text
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (int, bool)) else text
 
 
 def _fill_string(value, env, where, label):

@@ -163,6 +163,22 @@ def test_for_templates_index_into_list_values():
     assert topo.capacity("g3", "g2") == pytest.approx(25e9)
 
 
+def test_for_templates_of_count_and_directed_read_back_as_a_number_and_a_boolean(tmp_path):
+    """(`count: "{n}"` filled in the text '2', refused as "not a whole number ... not '2'".)"""
+    data = {"name": "counted",
+            "nodes": [{"id": "sw", "kind": "switch"}, {"id": "g{i}", "kind": "gpu", "for": {"i": 2}}],
+            "links": [{"a": "g{i}", "b": "sw", "bandwidth": "10 GB/s", "count": "{n}", "directed": "{d}",
+                       "for": {"i": [0], "n": [2], "d": [False]}},
+                      {"a": "g1", "b": "sw", "bandwidth": "10 GB/s", "count": "{n}", "for": {"n": [3]}}],
+            "ranks": ["g0", "g1"]}
+    topo = Topology.from_dict(data)
+    assert [(link.count, link.directed) for link in topo.links] == [(2, False), (3, False)]
+    assert all(type(link.count) is int and type(link.directed) is bool for link in topo.links)
+    data["links"][1]["for"] = {"n": ["two"]}
+    err = load_error(tmp_path, data)
+    assert err.entry == "links[1] (n=two)" and "count must be a whole number >= 1" in str(err)
+
+
 def test_shipped_style_for_file_loads(tmp_path):
     text = textwrap.dedent("""\
         name: cube
