@@ -53,6 +53,7 @@ import hashlib
 import numpy as np
 
 from .errors import MismatchError
+from .units import counted
 
 COLLECTIVE_CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "broadcast": 4, "barrier": 5, "free": 6,
                     "grouped_allreduce": 7}
@@ -234,8 +235,8 @@ def describe(vec, several=False):
         return f"{name} on device buffers (GPU arrays; host buffers must be host buffers on every rank)"
     if _grouped(vec):
         ndtypes = int(vec[_ROOT])
-        return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in {ndtypes} "
-                f"dtype{'s' if ndtypes != 1 else ''} ({op_from_code(vec[_OP]).name})")
+        return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in "
+                f"{counted(ndtypes, 'dtype')} ({op_from_code(vec[_OP]).name})")
     name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
     if int(vec[_COLL]) in (COLLECTIVE_CODES["barrier"], COLLECTIVE_CODES["free"]):
         return name

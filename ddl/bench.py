@@ -48,7 +48,7 @@ from .bench_report import format_row, link_lines, plot, print_summary, table_hea
 from .cli import check_output_file
 from .errors import Error, PlanError
 from .settings import named_by_env
-from .units import format_size, parse_size
+from .units import counted, format_size, parse_size
 
 DTYPES = ("float32", "float64", "int32", "int64")
 OPS = ("sum", "max", "min")
@@ -999,18 +999,18 @@ def _finite(x):
 def _header(opts, topo, model, nranks, impls, memory):
     where = (f"topology {topo.name} ({opts.topology}"
              + (f", network links scaled by {opts.scale:g}" if opts.scale else "") + ")" if topo is not None
-             else f"flat topology of {nranks} ranks (no topology file)")
+             else f"flat topology of {counted(nranks, 'rank')} (no topology file)")
     emulated = os.environ.get("DDL_EMULATED_CLUSTER")
     names = []
     for impl in impls:
         names.append(impl.name if impl.kind == "ddl" else f"{impl.name} ({impl.library})")
-    lines = [f"# ddl bench: allreduce on {nranks} ranks, {where}"
+    lines = [f"# ddl bench: allreduce on {counted(nranks, 'rank')}, {where}"
              + (f", emulated cluster {emulated!r}" if emulated else ""),
-             f"# {opts.dtype}, {opts.op}, buffers in {memory.label}; {opts.iters} iterations "
+             f"# {opts.dtype}, {opts.op}, buffers in {memory.label}; {counted(opts.iters, 'iteration')} "
              f"(+{opts.warmup} warm-up) per size and implementation; time = median over iterations of the "
              f"slowest rank (barrier before each)",
              f"# implementations: {', '.join(names)}",
              "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm of "
              "point-to-point transfers at the file's link rates"]
-    title = f"allreduce {opts.dtype}, {nranks} ranks, " + (topo.name if topo is not None else "flat")
+    title = f"allreduce {opts.dtype}, {counted(nranks, 'rank')}, " + (topo.name if topo is not None else "flat")
     return {"lines": lines, "title": title}

@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ElementTree
 
 from .errors import TopologyError
 from .node_import import DEFAULT_CPU_LINK, NodeWriter, check_hosts, check_nvlink_domain, header, pick
-from .units import format_bandwidth
+from .units import counted, format_bandwidth
 
 # bytes/s per lane and direction that GPU DMA achieves, by the link's GT/s (3/4 of Gen3's raw rate, as
 # bandwidthTest measures on an x16 slot: 12 GB/s)
@@ -234,7 +234,7 @@ class _Reader(NodeWriter):
 
     def cpu_link_words(self):
         """The header's words on GPUs joined to their CPU by C2C or NVLink."""
-        words = [f"{what} to the CPU on {len(rates)} GPU{'s' if len(rates) != 1 else ''} "
+        words = [f"{what} to the CPU on {counted(len(rates), 'GPU')} "
                  f"({', '.join(sorted({format_bandwidth(r) for r in rates.values()}))})"
                  for what, rates in (("NVLink-C2C", self.c2c), ("NVLink", self.cpu_nvlinks)) if rates]
         return ", ".join(words) or None

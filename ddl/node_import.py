@@ -11,7 +11,7 @@ import textwrap
 
 from .errors import TopologyError
 from .topology_file import bandwidth_text
-from .units import format_bandwidth, parse_bandwidth
+from .units import counted, format_bandwidth, parse_bandwidth
 
 DEFAULT_CPU_LINK = 38.4e9       # two QPI links of 19.2 GB/s (Xeon E5 v4, as in dgx1-v100.yaml)
 FABRIC_LATENCY = "2 us"         # one switch hop of InfiniBand class
@@ -67,7 +67,7 @@ class NodeWriter:
 
     def counts(self):
         """The header's count of what the machine has beside GPUs and NICs."""
-        return f"{len(self.cpus)} NUMA node{'s' if len(self.cpus) != 1 else ''}, {len(self.switches)} PCIe switches"
+        return f"{counted(len(self.cpus), 'NUMA node')}, {counted(len(self.switches), 'PCIe switch', 'PCIe switches')}"
 
     def assumptions(self, cpu_link, nics, nic_option):
         """The header's words on what joins NUMA nodes, NICs and hosts; ``nics``: (vertex, rate) pairs,

@@ -139,6 +139,11 @@ def format_seconds(seconds):
     return f"{seconds / 1e-9:.4g} ns"
 
 
+def counted(n, word, plural=None):
+    """(1, 'rank') -> '1 rank'; (8, 'rank') -> '8 ranks'; ``plural`` where an s will not do."""
+    return f"{n} {word}" if n == 1 else f"{n} {plural or word + 's'}"
+
+
 def _format(value, unit):
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if _shows_one_or_more(value / scale):

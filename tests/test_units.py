@@ -1,7 +1,7 @@
 """ddl.units: every documented unit, the bit/byte distinction, and rejection of malformed values."""
 import pytest
 
-from ddl.units import (BANDWIDTH_UNITS, format_bandwidth, format_seconds, format_size, parse_bandwidth,
+from ddl.units import (counted, BANDWIDTH_UNITS, format_bandwidth, format_seconds, format_size, parse_bandwidth,
                        parse_latency, parse_size)
 
 BANDWIDTHS = {
@@ -92,3 +92,11 @@ def test_formatting():
     assert format_size(10**15) == "909.5 TiB"
     assert format_seconds(1.5e-5) == "15 us"
     assert format_seconds(2e-9) == "2 ns"
+
+
+@pytest.mark.parametrize("n, args, text", [(1, ("rank",), "1 rank"), (0, ("rank",), "0 ranks"),
+                                           (8, ("rank",), "8 ranks"),
+                                           (2, ("PCIe switch", "PCIe switches"), "2 PCIe switches"),
+                                           (1, ("PCIe switch", "PCIe switches"), "1 PCIe switch")])
+def test_counts_are_said_in_the_singular_for_one(n, args, text):
+    assert counted(n, *args) == text

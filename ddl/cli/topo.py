@@ -23,7 +23,7 @@ from .. import bounds
 from .. import nvidia_smi
 from ..node_import import DEFAULT_CPU_LINK, parse_rate
 from ..errors import Error
-from ..units import format_bandwidth
+from ..units import counted, format_bandwidth
 from . import check_output_file, same_file_as_any
 from .argtypes import at_least, list_of, reported
 
@@ -147,7 +147,7 @@ def cmd_validate(args):
             bad += 1
             _error_line(path, exc.strerror or str(exc))
             continue
-        print(f"{path}: ok ({_plural(topo.nranks, 'rank')}, {_plural(len(topo.hosts), 'host')})")
+        print(f"{path}: ok ({counted(topo.nranks, 'rank')}, {counted(len(topo.hosts), 'host')})")
     return 2 if bad else 0
 
 
@@ -156,10 +156,6 @@ def _error_line(path, message):
     if not message.startswith(str(path)):
         message = f"{path}: {message}"
     print(message, file=sys.stderr)
-
-
-def _plural(n, word):
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,7 +180,7 @@ def _group_sizes(groups):
     counts = Counter(len(g) for g in groups)
     parts = []
     for size, n in sorted(counts.items(), key=lambda kv: (-kv[0], kv[1])):
-        parts.append(f"{n} group{'s' if n != 1 else ''} of {size}")
+        parts.append(f"{counted(n, 'group')} of {size}")
     return " + ".join(parts)
 
 
@@ -254,7 +250,7 @@ def describe(topo):
         if len(split) > 1:
             detail = " (out: " + ", ".join(f"{format_bandwidth(b)} to {k}" for k, b in split) + ")"
         rows.append(f"  ranks {compact_ranges(r)}: {format_bandwidth(o)} out, {format_bandwidth(n)} in, "
-                    f"{_plural(c, 'link')}{detail}")
+                    f"{counted(c, 'link')}{detail}")
     lines.extend(_abbreviate(rows))
 
     cut = _cut_line(topo)
@@ -625,7 +621,7 @@ def draw(topo, output, dpi=120):
         cbar.ax.minorticks_off()
         cbar.set_label("link bandwidth per direction (count x link)", fontsize=7)
 
-    ax.set_title(f"{topo.name}: {_plural(topo.nranks, 'rank')}, {_plural(len(topo.hosts), 'host')}",
+    ax.set_title(f"{topo.name}: {counted(topo.nranks, 'rank')}, {counted(len(topo.hosts), 'host')}",
                  fontsize=11)
     ax.set_xlim(xmin - 1.0, xmax + 1.0)
     ax.set_ylim(ylo, yhi)
@@ -691,6 +687,6 @@ def cmd_import(args):
         return 0
     from ..schedule import write_file
     write_file(args.output, out)
-    print(f"{args.output}: {_plural(topo.nranks, 'rank')} on {_plural(len(topo.hosts), 'host')}; see it "
+    print(f"{args.output}: {counted(topo.nranks, 'rank')} on {counted(len(topo.hosts), 'host')}; see it "
           f"with `ddl topo show {args.output}`", file=sys.stderr)
     return 0

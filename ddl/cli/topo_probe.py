@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..errors import Error
+from ..units import counted
 from . import check_output_file
 from .argtypes import at_least, reported
 from .bench import _child, as_rank, under_mpi
@@ -73,7 +74,7 @@ def cmd_probe(args):
             "--tolerance", repr(args.tolerance)] + (["--json"] if args.json else [])
     if args.write:
         argv += ["--write", args.write]
-    print(f"ddl topo probe: not under mpiexec: launching {n} rank{'s' if n != 1 else ''} on this machine "
+    print(f"ddl topo probe: not under mpiexec: launching {counted(n, 'rank')} on this machine "
           f"(for a cluster, run it under mpiexec with your job's host list)", file=sys.stderr, flush=True)
     return _child([*local_command(n), sys.executable, "-m", "ddl", "topo", "probe", *argv])
 
