@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,11 @@ def test_plan_text_flags_a_prediction_below_the_latency_bound(capsys, tmp_path, 
     assert "below the latency bound" in out and "gap 0." in out
     assert main(["plan", str(ZOO / "dgx-a100.yaml"), "--bytes", "64MiB", "--workers", "1"]) == 0
     assert "below the latency bound" not in capsys.readouterr().out
+    assert main(["plan", str(ZOO / "dgx-a100.yaml"), str(ZOO / "dgx1-v100.yaml"), "--compare", "--bytes", "8",
+                 "--workers", "1"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    a100, v100 = (next(row for row in rows if row.startswith(name + " ")) for name in ("dgx-a100", "dgx1-v100"))
+    assert re.search(r" 0\.\d+x\*", a100) and "x*" not in v100 and rows[-1].startswith("* below the latency bound")
 
 
 def test_nothing_to_move_has_a_zero_bound_and_is_not_cached(capsys, tmp_path, monkeypatch):

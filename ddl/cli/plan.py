@@ -225,7 +225,7 @@ def _explain(topo, plan, r):
         lines.append("predicted   0 s (nothing to move)")
     lines.append(f"bound       {format_seconds(plan.bound_seconds)} (bandwidth {format_seconds(plan.bandwidth_bound_seconds)},"
                  f" latency {format_seconds(plan.latency_bound_seconds)})   gap {plan.gap:.3f}x")
-    if plan.gap < 1 - 1e-9:
+    if _below_latency_bound(plan.gap):
         lines.append("note        below the latency bound: this schedule has ranks send or receive several"
                      " messages at once, which the bound's round model rules out"
                      + ("" if topo.message_cost else " and the simulator charges nothing for (no message_cost"
@@ -268,7 +268,7 @@ def _explain(topo, plan, r):
 
 
 def _compare_table(records):
-    head = f"{'topology':<28}{'ranks':>6}  {'auto picks':<20}{'busbw':>12}{'gap':>7}" + "".join(
+    head = f"{'topology':<28}{'ranks':>6}  {'auto picks':<20}{'busbw':>12}{'gap':>7} " + "".join(
         f"{'vs ' + label:>24}" for label, _ in COMPARED)
     rows = [head, "-" * len(head)]
     for r in records:
@@ -278,5 +278,14 @@ def _compare_table(records):
             secs = min((t for t in times if t is not None), default=None)
             cells.append(f"{secs / r['predicted_seconds']:>23.2f}x" if secs and r["predicted_seconds"] else f"{'n/a':>24}")
         busbw = format_bandwidth(r["busbw"]) if r["busbw"] else "-"
-        rows.append(f"{r['topology']:<28}{r['ranks']:>6}  {r['algorithm']:<20}{busbw:>12}{r['gap']:>6.3f}x" + "".join(cells))
+        below = "*" if _below_latency_bound(r["gap"]) else " "
+        rows.append(f"{r['topology']:<28}{r['ranks']:>6}  {r['algorithm']:<20}{busbw:>12}{r['gap']:>6.3f}x{below}"
+                    + "".join(cells))
+    if any(_below_latency_bound(r["gap"]) for r in records):
+        rows.append("* below the latency bound: ranks send or receive several messages at once, which the "
+                    "bound's round model rules out")
     return "\n".join(rows)
+
+
+def _below_latency_bound(gap):
+    return gap < 1 - 1e-9
