@@ -99,10 +99,11 @@ def positive_float(text):
     return value
 
 
-def list_of(parse):
+def list_of(parse, unique=True):
     """An argparse type: comma-separated values, each stripped of spaces and read by ``parse`` (a plain
     parser or an argparse type); an empty entry is refused (``0,,1`` is a typo, not two GPUs), and so is
-    a value given twice (``--gpus 0,0`` would otherwise lose a GPU without a word)."""
+    a value given twice (``--gpus 0,0`` would otherwise lose a GPU without a word) unless the list is
+    not a set (``unique=False``: iterations per size, ``1000,1000``)."""
     parse = reported(parse)
 
     def parse_all(text):
@@ -113,7 +114,7 @@ def list_of(parse):
             raise argparse.ArgumentTypeError(f"an empty entry in {text!r}: separate the entries by single "
                                              f"commas")
         values = [parse(item) for item in items]
-        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None) if unique else None
         if twice is not None:
             raise argparse.ArgumentTypeError(f"{twice} is listed twice in {text!r}")
         return values
