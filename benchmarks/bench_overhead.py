@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 import ddl
 from ddl.cli.argtypes import MPIParser, at_least, fail, list_of, numeric_dtype, size
-from ddl.units import format_size
+from ddl.units import counted, format_size
 
 
 def main(argv=None):
@@ -40,7 +40,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     sizes, iters, dtype = args.sizes, args.iters, args.dtype
     if len(iters) > len(sizes):
-        ap.error(f"--iters gives {len(iters)} values for {len(sizes)} sizes")
+        ap.error(f"--iters gives {counted(len(iters), 'value')} for {counted(len(sizes), 'size')}")
     iters = iters + [iters[-1]] * (len(sizes) - len(iters))
 
     world = MPI.COMM_WORLD
