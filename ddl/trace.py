@@ -15,9 +15,10 @@ communicator pays nothing. Events are kept only inside :meth:`MessageTrace.recor
 An arrival is stamped when the receiving rank's engine sees the receive complete, which on a rank that
 was asleep or busy is later than the last byte landed: that lag is part of what a timeline shows.
 
-Clocks: every rank stamps with ``time.perf_counter``. :func:`clock_offsets` measures each rank's offset
-from rank 0 by ping-pong (the sample with the shortest round trip), so ranks on different machines line
-up to within half that round trip; ranks of one machine share the clock.
+Clocks: every rank stamps with ``time.perf_counter``. Ranks of one machine (one kernel) share that
+clock exactly; :func:`clock_offsets` measures every other machine's offset from rank 0's by ping-pong
+(the sample with the shortest round trip), so ranks on different machines line up to within half that
+round trip.
 
 In a program of one's own::
 
@@ -115,14 +116,22 @@ class MessageTrace:
 
 
 def clock_offsets(world, rounds=5):
-    """Every rank's ``time.perf_counter`` minus rank 0's, a list on every rank, measured by ping-pong
-    between rank 0 and each rank in turn: of ``rounds`` round trips the shortest, assuming its two
-    halves equal. Collective over ``world``."""
+    """Every rank's ``time.perf_counter`` minus rank 0's, a list on every rank. Ranks that read one
+    clock (:func:`_clock_id`: one kernel since its boot, one time namespace; emulated hosts included)
+    have offset 0 between them, exactly: a ping-pong between two ranks that share two cores measures
+    scheduling, not clocks, and drew arrivals milliseconds before their posts. One rank of every other
+    clock is measured by ping-pong with rank 0: of ``rounds`` round trips the shortest, assuming its
+    two halves equal. Collective over ``world``."""
     rank, tag = world.rank, 7
-    offsets = None
+    clocks = world.allgather(_clock_id() or ("rank", rank))
+    first = {}
+    for r, clock in enumerate(clocks):
+        first.setdefault(clock, r)
+    measured = [r for r in first.values() if r != 0 and clocks[r] != clocks[0]]
+    by_clock = None
     if rank == 0:
-        offsets = [0.0]
-        for peer in range(1, world.size):
+        by_clock = {clocks[0]: 0.0}
+        for peer in measured:
             best = None
             for _ in range(rounds):
                 t0 = time.perf_counter()
@@ -131,12 +140,27 @@ def clock_offsets(world, rounds=5):
                 t1 = time.perf_counter()
                 if best is None or t1 - t0 < best[0]:
                     best = (t1 - t0, theirs - (t0 + t1) / 2)
-            offsets.append(best[1])
-    else:
+            by_clock[clocks[peer]] = best[1]
+    elif rank in measured:
         for _ in range(rounds):
             world.recv(source=0, tag=tag)
             world.send(time.perf_counter(), dest=0, tag=tag)
-    return world.bcast(offsets, root=0)
+    by_clock = world.bcast(by_clock, root=0)
+    return [by_clock[clock] for clock in clocks]
+
+
+def _clock_id():
+    """What names the clock ``time.perf_counter`` reads (CLOCK_MONOTONIC on Linux): the kernel's boot
+    id and this process's time-namespace offsets; None where neither can be read (every rank is then
+    measured). Network namespaces (an emulated cluster's hosts) share it."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/timens_offsets"):
+        try:
+            with open(path, encoding="ascii") as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append(None)
+    return None if parts[0] is None else tuple(parts)
 
 
 def gather(world, events, offsets=None):

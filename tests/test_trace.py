@@ -106,6 +106,8 @@ def test_a_traced_run_records_every_message_of_every_timed_call(tmp_path):
     got = collections.Counter((e["tid"] - 1, e["pid"]) for e in msgs)
     assert got == collections.Counter({pair: iters * n for pair, n in sends.items()})
     assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in msgs)
+    early = [e for e in msgs if e["ts"] + e["dur"] < e["args"]["posted_ms"] * 1e3 - 1e-3]
+    assert not early, early[:3]         # one machine, one clock: nothing arrives before it was posted
     calls = collections.Counter(e["pid"] for e in events if e["tid"] == 0 and e["name"].startswith("ddl 8 MiB #"))
     assert calls == {r: iters for r in range(4)}
     for track in {(e["pid"], e["tid"]) for e in msgs}:
@@ -137,3 +139,22 @@ assert t.take() == [] and np.all(y == MPI.COMM_WORLD.size)
 print("UNTRACED OK")
 """)
     assert run_ok(2, str(script)).count("UNTRACED OK") == 2
+
+
+@needs_mpi
+def test_ranks_of_one_clock_have_offset_zero_and_another_clock_is_measured(tmp_path):
+    """Ranks of one machine read one clock: their offsets are 0 exactly (ping-pong between ranks that
+    share two cores measured milliseconds of scheduling and drew arrivals before their posts). A rank
+    that reports another clock is measured, once for all the ranks of that clock."""
+    script = tmp_path / "clocks.py"
+    script.write_text("""from mpi4py import MPI
+from ddl import trace
+world = MPI.COMM_WORLD
+assert trace.clock_offsets(world) == [0.0] * world.size
+real = trace._clock_id
+trace._clock_id = lambda: ("elsewhere",) if world.rank >= 2 else real()
+offsets = trace.clock_offsets(world)
+assert offsets[:2] == [0.0, 0.0] and offsets[2] == offsets[3] and abs(offsets[2]) < 1.0, offsets
+print("CLOCKS OK")
+""")
+    assert run_ok(4, str(script)).count("CLOCKS OK") == 4
