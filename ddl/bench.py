@@ -47,6 +47,7 @@ import numpy as np
 from .bench_report import format_row, link_lines, plot, print_summary, table_header, trace_lines, widths_for
 from .cli import check_output_file
 from .errors import Error, PlanError
+from .planner import FLAT_BANDWIDTH
 from .settings import named_by_env
 from .units import counted, format_size, parse_size
 
@@ -185,17 +186,20 @@ def _parse_int(text, what, minimum=0):
 
 
 def parse_names(text, choices, what):
-    """Comma-separated names from ``choices`` (order kept, duplicates dropped); ``none`` or '' = []."""
-    names = []
-    for name in str(text).split(","):
-        name = name.strip().lower()
-        if not name or name == "none":
-            continue
+    """Comma-separated names from ``choices``, in any case (order kept, duplicates dropped); ``none``
+    alone, or nothing, is []. An empty entry (``mpi,``) or ``none`` beside names is refused: a typo
+    that would otherwise change what runs without a word."""
+    items = [name.strip().lower() for name in str(text).split(",")]
+    if items in ([""], ["none"]):
+        return []
+    if "" in items:
+        raise Error(f"{what}: an empty entry in {text!r}; separate the names by single commas")
+    if "none" in items:
+        raise Error(f"{what}: 'none' stands alone; give none or names from {', '.join(choices)}")
+    for name in items:
         if name not in choices:
             raise Error(f"{what}: unknown name {name!r}; choose from {', '.join(choices)}")
-        if name not in names:
-            names.append(name)
-    return names
+    return list(dict.fromkeys(items))
 
 
 def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5", warmup="1",
@@ -210,6 +214,7 @@ def options(topology=None, bytes="64MiB", max_bytes=None, factor=None, iters="5"
     """
     from .planner import algorithm_names
 
+    dtype, op, device = (str(value).strip().lower() for value in (dtype, op, device))  # as --peers: any case
     if dtype not in DTYPES:
         raise Error(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     if op not in OPS:
@@ -411,8 +416,8 @@ class DdlImpl:
         self.path = ""
         try:
             self.schedule = self.comm.plan(nbytes)
-        except PlanError as exc:
-            raise Skip(str(exc)) from None
+        except PlanError as exc:       # said beside the implementation's name: the algorithm's once
+            raise Skip(str(exc).removeprefix(f"{self.algorithm}: ")) from None
 
     def prepare(self, send, recv):
         self.memory.poison(recv)
@@ -721,7 +726,8 @@ def measure(opts, world=None, out=None, err=None, memory=None):
                 active.append(impl)
             except Skip as exc:
                 skipped.append((impl.name, exc))
-                note(f"{impl.name} skipped at {format_size(nbytes)}: {exc}")
+                if opts.json:          # else said under the size's rows of the table
+                    note(f"{impl.name} skipped at {format_size(nbytes)}: {exc}")
         times = {impl.name: [] for impl in active}
         wrong = {}
         for impl in active:
@@ -1011,6 +1017,7 @@ def _header(opts, topo, model, nranks, impls, memory):
              f"slowest rank (barrier before each)",
              f"# implementations: {', '.join(names)}",
              "# predicted: ddl's simulator for the schedule that ran; bound: lower bound for any algorithm of "
-             "point-to-point transfers at the file's link rates"]
+             "point-to-point transfers at " + ("the file's link rates" if topo is not None else
+                                               f"a flat network's ({FLAT_BANDWIDTH} per rank; no topology file)")]
     title = f"allreduce {opts.dtype}, {counted(nranks, 'rank')}, " + (topo.name if topo is not None else "flat")
     return {"lines": lines, "title": title}

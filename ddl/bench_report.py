@@ -121,7 +121,8 @@ def print_summary(rows, out, emulated=False, topology_file=None, mpi_library="")
     defaults, at that limit (README, "Another MPI": ddl's pieces above it ran at 0.6 times the links'
     rate)."""
     bad = sum(r["wrong"] for r in rows)
-    print(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}", file=out)
+    print(f"# wrong values (#wrong, all rows; nccl-tests' out of bounds values): {bad} "
+          f"{'OK' if bad == 0 else 'FAILED'}", file=out)
     by_impl = {}
     for r in rows:
         if r["busbw"] is not None:

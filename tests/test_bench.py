@@ -61,7 +61,7 @@ def test_table_and_plot_under_mpiexec(topo_file, env, tmp_path):
         assert int(m.group(2)) == int(m.group(1)) // 4 and m.group(3) == "float" and m.group(4) == "sum"
         assert m.group(9) == "0"  # #wrong
         assert float(m.group(7)) > 0 and float(m.group(8)) > 0  # algbw, busbw (busbw = algbw on 2 ranks)
-    assert "# out of bounds values: 0 OK" in p.stdout
+    assert "# wrong values (#wrong, all rows; nccl-tests' out of bounds values): 0 OK" in p.stdout
     assert "topology flat-2" in p.stdout
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
@@ -103,6 +103,19 @@ def test_gloo_skipped_with_a_note_without_torch(topo_file, env, tmp_path):
     assert p.stderr.count("gloo skipped: torch cannot be imported") == 1, p.stderr
     assert "pip install torch" in p.stderr
     assert sorted(r["impl"] for r in json.loads(p.stdout)) == ["ddl", "mpi"]
+
+
+@needs_mpi
+def test_an_algorithm_that_cannot_plan_a_size_is_skipped_once_and_named_once(topo_file, env):
+    """(It was said on stderr and again under the table, as 'ddl:ring-packing: skipped: ring-packing: ...'.)"""
+    args = [topo_file, "--bytes", "1MiB", "--iters", "1", "--algorithms", "ring,ring-packing", "--peers", "none"]
+    p = bench(args, env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    skips = [line for line in (p.stdout + p.stderr).splitlines() if "skipped" in line]
+    assert skips == ["# 1 MiB ddl:ring-packing: skipped: 2 ranks have one ring (both directions are the same pair)"]
+    p = bench(args + ["--json"], env)
+    assert p.returncode == 0 and [r["impl"] for r in json.loads(p.stdout)] == ["ddl", "ddl:ring"], p.stderr
+    assert p.stderr.count("ddl:ring-packing skipped at 1 MiB: 2 ranks have one ring") == 1, p.stderr
 
 
 @needs_mpi
@@ -212,6 +225,9 @@ def test_device_gpu_without_a_usable_gpu_is_one_clear_error(env):
     (["--dtype", "float8"], "--dtype 'float8' is not supported"),
     (["--op", "prod"], "--op 'prod' is not supported"),
     (["--peers", "magic"], "--peers: unknown name 'magic'"),
+    (["--peers", "none,mpi"], "--peers: 'none' stands alone"),
+    (["--peers", "mpi,"], "--peers: an empty entry in 'mpi,'"),
+    (["--algorithms", ","], "--algorithms: an empty entry in ','"),
     (["--peers", "nccl"], "--peers nccl compares GPU buffers: add --device gpu"),
     (["--device", "tpu"], "--device 'tpu': choose cpu or gpu"),
     (["--device", "gpu", "--peers", "mpi,gloo"], "--peers gloo runs on host buffers"),
@@ -235,6 +251,14 @@ def test_argument_errors_exit_2_with_one_line(args, message, topo_file, capsys, 
     assert err.startswith("ddl: error:") and err.count("\n") == 1 and message in err, err
 
 
+def test_names_are_read_in_any_case_alike():
+    """(--peers MPI and --algorithms RING were accepted, --op MAX and --dtype FLOAT32 refused.)"""
+    from ddl.bench import options
+    opts = options(peers="MPI", algorithms="RING", op="MAX", dtype="Float64", device="CPU")
+    assert (opts.peers, opts.algorithms, opts.op, opts.dtype, opts.device) == (["mpi"], ["auto", "ring"], "max",
+                                                                              "float64", "cpu")
+
+
 def test_missing_file_and_emulate_under_mpi(capsys, monkeypatch, tmp_path):
     assert main(["bench", "no-such.yaml"]) == 2
     assert "no-such.yaml: no such topology file" in capsys.readouterr().err
@@ -243,6 +267,11 @@ def test_missing_file_and_emulate_under_mpi(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PMI_RANK", "0")
     assert main(["bench", str(ROOT / "topologies/emulated-flat.yaml"), "--emulate"]) == 2
     assert "without mpiexec" in capsys.readouterr().err
+    monkeypatch.delenv("PMI_RANK")
+    monkeypatch.delenv("DDL_TOPOLOGY", raising=False)
+    for args in (["--emulate"], ["--nranks", "2", "--emulate"]):     # (the second was told --nranks is wrong)
+        assert main(["bench", *args]) == 2
+        assert "ddl: error: --emulate needs a topology FILE" in capsys.readouterr().err
 
 
 def test_a_launched_job_killed_by_a_signal_exits_as_a_shell_says():

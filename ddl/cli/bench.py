@@ -166,6 +166,9 @@ def _options(args, writes_plot=True):
             raise Error("--mtu applies to --emulate only (the emulator sets the links' frame size)")
         from ..emulate.netns import check_mtu
         args.mtu = check_mtu(args.mtu)
+    if args.emulate and not file:
+        raise Error("--emulate needs a topology FILE, whose hosts it builds (and whose ranks fix the rank "
+                    "count)")
     if args.nranks is not None and (file or under_mpi() or args.emulate):
         source = " (from DDL_TOPOLOGY)" if file and not args.file else ""
         raise Error(f"--nranks is for runs without a topology file{source} outside mpiexec "
@@ -174,8 +177,6 @@ def _options(args, writes_plot=True):
         if under_mpi():
             raise Error("--emulate starts its own MPI job on the emulated cluster: run `ddl bench FILE "
                         "--emulate` without mpiexec")
-        if not file:
-            raise Error("--emulate needs a topology FILE")
     return opts, file
 
 
