@@ -187,7 +187,7 @@ class Planner:
         sim = simulate(self.topo, schedule, nbytes)
         bound = lower_bound(self.topo, schedule.collective, nbytes, root=schedule.root)
         name = schedule.algorithm or "a schedule"
-        reason = f"{name} was given{f' ({source})' if source else ''}" + _regime(sim.seconds, bound)
+        reason = f"{name} runs{f' ({source})' if source else ''}" + _regime(sim.seconds, bound)
         return Plan(schedule.collective, nbytes, name, schedule, sim.seconds, bound.seconds, bound.bandwidth_seconds,
                     bound.latency_seconds, verified=True, reason=reason, busiest=tuple(sim.busiest))
 
@@ -233,7 +233,9 @@ class Planner:
         plan = self.plan(collective, nbytes, algorithm, root)
         held = self._schedules.get(_key(collective, nbytes, algorithm, root))
         if held is not None and held != plan.schedule:
-            return self.evaluate(held, nbytes, source="the plan held for this size class")
+            fresh = f"; a plan made now picks {plan.algorithm}" if plan.algorithm != held.algorithm else ""
+            return self.evaluate(held, nbytes, source=f"the plan held for this size class, made at another of "
+                                                      f"its sizes or by another process{fresh}")
         return plan
 
     def stored(self, collective, nbytes, algorithm=AUTO, root=0):

@@ -212,7 +212,11 @@ def test_explain_describes_what_runs_and_pins_name_their_file(tmp_path):
     path.rename(path.with_name(path.name.replace("-ring-", "-auto-")))
     fresh = Planner(topo, cache_dir=tmp_path)
     assert fresh.explain("allreduce", 1 << 20).schedule == held                  # the held plan, evaluated
-    assert "the plan held for this size class" in fresh.explain("allreduce", 1 << 20).reason
+    reason = fresh.explain("allreduce", 1 << 20).reason
+    auto = Planner(topo, use_disk_cache=False).plan("allreduce", 1 << 20).algorithm
+    assert reason.startswith("ring runs (the plan held for this size class, made at another of its sizes or by "
+                             "another process")
+    assert (f"a plan made now picks {auto}" in reason) == (auto != "ring"), reason
     ring = tmp_path / "ring.json"
     held.save(ring)
     fresh.pin(str(ring))
