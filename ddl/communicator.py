@@ -69,7 +69,7 @@ from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, 
 from .ops import LOGICAL, SUM, check_op_dtype, divided, divides_first, finish_average, resolve_op
 from .schedule import Schedule
 from .settings import env_flag, env_float, env_int, named_by_env
-from .units import message_size, whole_number
+from .units import counted, message_size, whole_number
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
 
@@ -377,9 +377,9 @@ class Communicator:
         if self.topology is not None and self.topology.nranks != self.size:
             source = getattr(self.topology, "source", None)
             where = f" ({', '.join(filter(None, (source, named_by_env(source))))})" if source else ""
-            raise Error(f"topology {self.topology.name!r}{where} has {self.topology.nranks} ranks but the "
-                        f"communicator has {self.size} ranks: use a topology whose ranks: list has one "
-                        f"entry per process, or launch {self.topology.nranks} processes")
+            raise Error(f"topology {self.topology.name!r}{where} has {counted(self.topology.nranks, 'rank')} but "
+                        f"the communicator has {counted(self.size, 'rank')}: use a topology whose ranks: list has "
+                        f"one entry per process, or launch {counted(self.topology.nranks, 'process', 'processes')}")
         agreement = os.environ.get("DDL_AGREEMENT") or "auto"      # (set but empty: the default, as DDL_CHECK)
         if agreement not in ("auto", "shm", "mpi"):
             raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ import ddl
 from ddl.cli import check_output_file
 from ddl.cli.argtypes import MPIParser, fail, size
 from ddl.trace import MessageTrace, chrome_trace, gather
-from ddl.units import format_seconds, format_size
+from ddl.units import counted, format_seconds, format_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,6 +45,15 @@ def iterations(text):
     return value
 
 
+def float32_bytes(text):
+    """--size: whole float32 elements, at least one (a size it would round is refused, not rounded)."""
+    nbytes = size(text)
+    if nbytes < 4 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number of float32 elements (4 bytes each): "
+                                         f"give a multiple of 4 bytes, at least 4")
+    return nbytes
+
+
 def describe(comm, nbytes):
     """What runs for an allreduce of ``nbytes``, said by rank 0: small inputs ride on the shared-memory
     agreement board (every rank posts its input and sums all of them: no messages, no schedule), up to
@@ -54,7 +64,9 @@ def describe(comm, nbytes):
               f"messages and no schedule")
         return
     sched = comm.plan(nbytes)
-    print(f"  plan: {sched.algorithm} ({sched.nchunks} chunks, {sched.nops} point-to-point ops)")
+    messages = sum(op.kind == "send" for program in sched.programs for op in program)
+    print(f"  plan: {sched.algorithm} ({counted(sched.nchunks, 'chunk')}, {counted(messages, 'message')} "
+          f"between ranks)")
     if comm.size > 1:
         plan = comm.explain(nbytes)
         print(f"  predicted {format_seconds(plan.predicted_seconds)} on the modelled fabric "
@@ -73,9 +85,12 @@ def write_trace(world, traced, path):
 
 def main():
     ap = MPIParser(description=__doc__.splitlines()[0])
-    ap.add_argument("topology", nargs="?", default=None)
-    ap.add_argument("--size", type=size, default="4MiB", help="message size (default 4MiB)")
-    ap.add_argument("--iters", type=iterations, default=5, help="timed calls (default 5)")
+    ap.add_argument("topology", nargs="?", default=None,
+                    help="topology file (default: $DDL_TOPOLOGY, else topologies/emulated-2rack.yaml when its "
+                         "rank count is the job's, else every rank on one switch)")
+    ap.add_argument("--size", type=float32_bytes, default="4MiB",
+                    help="bytes of float32 per rank (default 4MiB)")
+    ap.add_argument("--iters", type=iterations, default=5, help="timed calls, after one untimed (default 5)")
     ap.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write when every message of the timed calls was posted and arrived, on every rank, "
                          "as a Chrome trace (open it in https://ui.perfetto.dev)")
@@ -92,15 +107,22 @@ def main():
     except ddl.Error as exc:
         fail(exc)
     nbytes = args.size
-    count = max(1, nbytes // 4)
+    count = nbytes // 4
+    try:
+        send = np.arange(count, dtype=np.float32) % 1024 + comm.rank
+        recv = np.empty_like(send)
+        allocated = True
+    except MemoryError:
+        allocated = False
+    if not world.allreduce(allocated, op=MPI.LAND):      # every rank stops, not only the one that failed
+        fail(f"--size {format_size(nbytes)}: a rank has not enough memory for its buffers")
     if comm.rank == 0:
         topo = comm.topology.name if comm.topology is not None else "single rank"
-        print(f"ddl allreduce of {format_size(count * 4)} float32 on {comm.size} ranks, topology {topo}")
-        describe(comm, count * 4)
+        print(f"ddl allreduce of {format_size(nbytes)} float32 on {counted(comm.size, 'rank')}, topology {topo}")
+        describe(comm, nbytes)
 
-    send = np.arange(count, dtype=np.float32) % 1024 + comm.rank
-    recv = np.empty_like(send)
     traced = MessageTrace(comm) if args.trace else None
+    comm.Allreduce(send, recv, op=ddl.SUM)      # untimed: plans, scratch buffers, MPI's connections
     times = []
     for i in range(args.iters):
         world.Barrier()
@@ -116,7 +138,7 @@ def main():
     if comm.rank == 0:
         best = min(times)
         print(f"  result check: {'OK' if all_ok else 'WRONG'}")
-        print(f"  time: best {format_seconds(best)}, median {format_seconds(sorted(times)[len(times) // 2])} "
+        print(f"  time: best {format_seconds(best)}, median {format_seconds(statistics.median(times))} "
               f"({count * 4 / best / 1e6:.1f} MB/s algorithm bandwidth)")
     comm.Free()
     if not all_ok:

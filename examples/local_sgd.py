@@ -6,7 +6,8 @@ Each rank trains its own replica for ``tau`` local SGD steps on its own data sha
 then the replicas are averaged with one fused collective (``comm.grouped_allreduce(params,
 op=ddl.AVG)``): ``tau`` times fewer collectives than synchronous data parallelism (SparkNet, Moritz
 et al., ICLR 2016; "local SGD"). The script prints the global loss after some averaging rounds (about
-five, and the last) and checks that it fell below half the initial loss and that the replicas are bitwise identical after every average.
+five, and the last) and checks that it fell below half the initial loss (and is not rising at the end), and
+that the replicas are bitwise identical after every average; a failed check is named.
 """
 import hashlib
 import os
@@ -16,6 +17,7 @@ from mpi4py import MPI
 
 import ddl
 from ddl.cli.argtypes import MPIParser, at_least, positive_float
+from ddl.units import counted
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_mlp import BATCH, communicator, init_params, loss_and_grads, synthetic_data  # noqa: E402
@@ -51,13 +53,19 @@ def main():
         losses.append(loss)
         if rank == 0 and (rnd % max(1, args.rounds // 5) == 0 or rnd == args.rounds - 1):
             print(f"round {rnd:3d} ({(rnd + 1) * args.tau:4d} local steps): loss {loss:.6f}")
-    ok = identical and losses[-1] < 0.5 * initial and losses[-1] <= min(losses) * 1.05
+    failed = [why for why, bad in (
+        ("the replicas differed after an average", not identical),
+        (f"the loss did not fall below half its start in {counted(args.rounds * args.tau, 'local step')} "
+         f"(more --rounds or --tau, or another --lr?)", not losses[-1] < 0.5 * initial),
+        ("the last loss is more than 5% above the least (diverging: a smaller --lr?)",
+         not losses[-1] <= min(losses) * 1.05)) if bad]
     if rank == 0:
-        print(f"{args.rounds} averaging rounds of {args.tau} local steps on {size} ranks: loss {initial:.4f} -> "
-              f"{losses[-1]:.4f}; replicas identical after every average: {identical}")
-        print("LOCAL_SGD OK" if ok else "LOCAL_SGD FAILED")
+        print(f"{counted(args.rounds, 'averaging round')} of {counted(args.tau, 'local step')} on "
+              f"{counted(size, 'rank')}: loss {initial:.4f} -> {losses[-1]:.4f}; replicas identical after every "
+              f"average: {identical}")
+        print("LOCAL_SGD OK" if not failed else f"LOCAL_SGD FAILED: {'; '.join(failed)}")
     comm.Free()
-    if not ok:
+    if failed:
         raise SystemExit(1)
 
 

@@ -1,6 +1,6 @@
 """Data-parallel PyTorch training with ddl gradient hooks (Horovod's DistributedOptimizer pattern).
 
-    mpiexec -n 4 python -m mpi4py examples/torch_hook.py [--steps 30] [--device cuda]
+    mpiexec -n 4 python -m mpi4py examples/torch_hook.py [--steps 30] [--device cuda] [--topology FILE]
 
 A hook on every parameter starts a nonblocking AVG allreduce of its gradient as soon as backward has
 accumulated it, so communication overlaps with the rest of backward; before the optimizer step the
@@ -12,18 +12,22 @@ on torch's current stream): NCCL with a GPU per rank, else CUDA-aware MPI or hos
 
 Needs PyTorch; without it the script exits with a message saying so.
 """
-import sys
-
 try:
     import torch
 except ImportError:           # said after the arguments are read: --help works without it
     torch = None
+
+import os
+import sys
 
 import numpy as np
 from mpi4py import MPI
 
 import ddl
 from ddl.cli.argtypes import MPIParser, at_least, fail
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_mlp import communicator  # noqa: E402
 
 
 class GradientAverager:
@@ -68,11 +72,12 @@ class GradientAverager:
 def main():
     ap = MPIParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=at_least(1), default=30, help="training steps (default 30)")
+    ap.add_argument("--topology", default=None, help="topology file (default: $DDL_TOPOLOGY, else one flat switch)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the model and its gradients live (default cpu; cuda: GPU node-local rank %% GPUs)")
     args = ap.parse_args()
     if torch is None:
-        sys.exit("examples/torch_hook.py needs PyTorch (pip install torch); it is not installed, nothing to run.")
+        fail("needs PyTorch (pip install torch); it is not installed, nothing to run")
     device = torch.device("cpu")
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -80,7 +85,7 @@ def main():
         from ddl.gpu.executor import select_device
         device = torch.device("cuda", select_device(MPI.COMM_WORLD))  # CuPy's device and torch's agree
         torch.cuda.set_device(device)
-    comm = ddl.Communicator(MPI.COMM_WORLD)
+    comm = communicator(args.topology)        # a file for another rank count, a bad $DDL_CHECK: said once
 
     def make_model():
         torch.manual_seed(0)                   # same initial model everywhere

@@ -7,7 +7,7 @@ gradient of the mean loss over its shard, and averages the gradients with ONE fu
 (``comm.grouped_allreduce(grads, op=ddl.AVG)``): the mean of equal-size shard means is the full-batch
 mean, so every step equals a step of single-process training on the whole batch, up to float
 rounding. Each rank also trains the single-process reference locally and the script checks the two
-loss curves agree to 1e-6 (relative), and that the replicas stay bitwise identical.
+loss curves agree to 1e-6 (relative), that the replicas stay bitwise identical, and that the loss fell.
 """
 import hashlib
 
@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import ddl
 from ddl.cli.argtypes import MPIParser, at_least, fail, positive_float
+from ddl.units import counted
 
 D_IN, HIDDEN, BATCH = 16, 32, 240  # 240 splits evenly over 1, 2, 3, 4, 5, 6, 8 ranks
 
@@ -101,10 +102,15 @@ def main():
         for s in sorted({0, args.steps // 4, args.steps // 2, args.steps - 1}):
             print(f"step {s:4d}  loss {curve[s]:.8f}  single-process {ref_curve[s]:.8f}")
         same = len(set(digests)) == 1
-        print(f"max relative difference of the loss curves over {args.steps} steps on {size} ranks: {rel:.2e}")
+        print(f"max relative difference of the loss curves over {args.steps} steps on {counted(size, 'rank')}: "
+              f"{rel:.2e}")
         print(f"replicas bitwise identical: {same}")
-        ok = rel < 1e-6 and same and curve[-1] < curve[0]
-        print("TRAIN_MLP OK" if ok else "TRAIN_MLP MISMATCH")
+        failed = [why for why, bad in (
+            ("the loss curves differ by 1e-6 or more", not rel < 1e-6), ("the replicas differ", not same),
+            (f"the loss did not fall ({curve[0]:.4g} -> {curve[-1]:.4g}): a smaller --lr?", not curve[-1] < curve[0]))
+            if bad]
+        ok = not failed
+        print("TRAIN_MLP OK" if ok else f"TRAIN_MLP FAILED: {'; '.join(failed)}")
     else:
         ok = True
     ok = MPI.COMM_WORLD.bcast(ok, root=0)

@@ -171,7 +171,7 @@ def test_errors_about_the_topology_of_ddl_topology_say_where_its_name_came_from(
     eight = str(Path(__file__).parent.parent / "topologies" / "dgx1-v100.yaml")
     monkeypatch.setenv("DDL_TOPOLOGY", eight)
     with pytest.raises(ddl.Error, match=r"topology 'dgx1-v100' \(.*dgx1-v100.yaml, named by environment variable "
-                                        r"DDL_TOPOLOGY\) has 8 ranks but the communicator has 1 ranks: use a "
+                                        r"DDL_TOPOLOGY\) has 8 ranks but the communicator has 1 rank: use a "
                                         r"topology whose ranks: list has one entry per process"):
         ddl.Communicator(MPI.COMM_SELF)
 

@@ -29,6 +29,9 @@ SCRIPTS = sorted(str(p.relative_to(ROOT)) for d in ("examples", "benchmarks") fo
 BAD_ARGUMENTS = [
     ("examples/allreduce_hello.py", ["--size", "abc"], "cannot parse size 'abc'"),
     ("examples/allreduce_hello.py", ["missing-topology.yaml"], "no such file"),
+    ("examples/allreduce_hello.py", ["--size", "1000001"], "not a whole number of float32 elements"),  # was: rounded
+    ("examples/allreduce_hello.py", ["--size", "0"], "not a whole number of float32 elements"),      # was: 4 B
+    ("examples/allreduce_hello.py", ["--size", "1EiB"], "a rank has not enough memory"),             # a traceback
     ("examples/train_mlp.py", ["--steps", "0"], "at least 2"),
     ("examples/train_mlp.py", ["--steps", "1"], "at least 2"),          # was: TRAIN_MLP MISMATCH, status 1
     ("examples/train_mlp.py", ["--topology", "missing-topology.yaml"], "no such file"),
@@ -121,6 +124,25 @@ def test_mpi_bad_arguments_are_said_once():
     rc, out, _ = run_mpi(2, "benchmarks/bench_overhead.py", "--algorithm", "nope", "--sizes", "8", "--iters", "2",
                          timeout=120, mpi4py_main=False)
     assert rc == 2 and _said_once(out, "bench_overhead.py: error: unknown algorithm 'nope'"), out
+
+
+def test_mpi_help_is_said_once():
+    rc, out, _ = run_mpi(3, "examples/train_mlp.py", "--help", timeout=120)
+    assert rc == 0 and out.count("usage: ") == 1 and "--topology" in out, out
+
+
+def test_mpi_a_training_example_that_fails_says_which_check():
+    """The loss diverging at --lr 5 was 'TRAIN_MLP MISMATCH', though the replicas matched bitwise."""
+    rc, out, _ = run_mpi(2, "examples/train_mlp.py", "--steps", "3", "--lr", "5", timeout=120)
+    assert rc == 1 and "TRAIN_MLP FAILED: the loss did not fall" in out and "a smaller --lr?" in out, out
+    rc, out, _ = run_mpi(2, "examples/local_sgd.py", "--rounds", "1", "--tau", "1", timeout=120)
+    assert rc == 1 and "LOCAL_SGD FAILED: the loss did not fall below half its start in 1 local step" in out, out
+
+
+def test_mpi_torch_hook_takes_a_topology_and_says_a_wrong_one_once():
+    pytest.importorskip("torch")
+    rc, out, _ = run_mpi(2, "examples/torch_hook.py", "--topology", "topologies/emulated-2rack.yaml", timeout=120)
+    assert rc == 2 and _said_once(out, "torch_hook.py: error: topology 'emulated-2rack'"), out
 
 
 def test_mpi_benchmarks_print_their_tables():

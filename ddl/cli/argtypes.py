@@ -29,13 +29,23 @@ EXIT_WAIT = 10.0      # seconds a rank leaving on a shared mistake waits for the
 
 
 class MPIParser(argparse.ArgumentParser):
-    """Every rank reads the same arguments: a mistake in them is said once, by rank 0."""
+    """Every rank reads the same arguments: a mistake in them, or ``--help``, is said once, by rank 0."""
 
     def error(self, message):
         if _world_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
         _exit_together(2)
+
+    def print_help(self, file=None):
+        if _world_rank() == 0:
+            super().print_help(file)
+
+    def exit(self, status=0, message=None):
+        if message and _world_rank() == 0:
+            print(message, end="", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        _exit_together(status)
 
 
 def fail(message):
