@@ -136,7 +136,7 @@ def test_hello_says_a_small_allreduce_goes_inline():
 
     out = run_ok(2, "examples/allreduce_hello.py", "--size", "4KiB", "--iters", "2", timeout=60)
     assert "path: inline on the shared-memory agreement board" in out and "result check: OK" in out
-    assert "plan: " not in out and "point-to-point ops" not in out and "predicted" not in out
+    assert "plan: " not in out and "messages between ranks" not in out and "predicted" not in out
     out = run_ok(2, "examples/allreduce_hello.py", "--size", "4KiB", "--iters", "1", timeout=60,
                  env={"DDL_INLINE_BYTES": "0"})
     assert "plan: " in out and "path: inline" not in out
