@@ -928,7 +928,7 @@ def _load_topology(opts, nranks):
         topo = scaled_topology(topo, opts.scale)
     if topo.nranks != nranks:
         where = ", ".join(filter(None, (opts.topology, named_by_env(opts.topology))))
-        raise Error(f"topology {topo.name!r} ({where}) has {topo.nranks} ranks but this MPI job has "
+        raise Error(f"topology {topo.name!r} ({where}) has {counted(topo.nranks, 'rank')} but this MPI job has "
                     f"{nranks}: run `mpiexec -n {topo.nranks} ddl bench ...`, or `ddl bench FILE` alone "
                     f"and it launches mpiexec itself")
     return topo

@@ -38,7 +38,7 @@ from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule, gc_paused, write_file
 from .settings import env_flag
 from .simulate import Outpaced, simulate
-from .units import message_size
+from .units import counted, message_size
 from .verify import Abandoned, verify
 
 AUTO = "auto"
@@ -193,7 +193,7 @@ class Planner:
 
     def _prove_given(self, schedule):
         if schedule.nranks != self.topo.nranks:
-            raise PlanError(f"the schedule is for {schedule.nranks} ranks; {self.topo.name} has {self.topo.nranks}")
+            raise PlanError(f"the schedule is for {counted(schedule.nranks, 'rank')}; {self.topo.name} has {self.topo.nranks}")
         _verified(schedule)
 
     # ---- schedules (the hot path for executors) ---------------------------------------------------

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .agreement import format_ranks
-from .units import format_bandwidth, format_seconds, format_size
+from .units import counted, format_bandwidth, format_seconds, format_size
 
 TARGET_SECONDS = 0.25
 MIN_BYTES, MAX_BYTES = 1 << 20, 256 << 20
@@ -419,7 +419,7 @@ def report(topo, classes, found, problems, out, as_json=False):
         print(json.dumps(doc, indent=1), file=out)
         return ok
     tolerance = found[0].tolerance if found else TOLERANCE
-    print(f"# ddl topo probe: {topo.source or topo.name}, {topo.nranks} ranks; host buffers, MPI point-to-point: "
+    print(f"# ddl topo probe: {topo.source or topo.name}, {counted(topo.nranks, 'rank')}; host buffers, MPI point-to-point: "
           f"pairs one at a time, then every host at once; best of the transfers; tolerance +-{tolerance:.0%}",
           file=out)
     print(f"# placement: {'as the file says' if not problems else 'DIFFERS from the file'}", file=out)

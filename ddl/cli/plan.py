@@ -4,7 +4,7 @@ import os
 
 from ..errors import PlanError, ScheduleError
 from ..schedule import COLLECTIVES, Schedule
-from ..units import format_bandwidth, format_seconds, format_size, parse_size
+from ..units import counted, format_bandwidth, format_seconds, format_size, parse_size
 from . import check_output_file, same_file_as_any
 
 TIMELINE_SLICES = 60      # --timeline: the run cut into this many equal slices
@@ -92,7 +92,7 @@ def run(args):
     for path in args.files:            # every file read and checked before any is planned
         topo = Topology.load(path)
         if not 0 <= args.root < topo.nranks:
-            raise PlanError(f"--root {args.root} is not a rank of {path} ({topo.nranks} ranks)")
+            raise PlanError(f"--root {args.root} is not a rank of {path} ({counted(topo.nranks, 'rank')})")
         topos.append(topo)
     plans = []
     for topo in topos:

@@ -211,7 +211,7 @@ def describe(topo):
     by_layout = OrderedDict()
     for h, ranks in hosts.items():
         by_layout.setdefault(len(ranks), []).append(h)
-    sizes = ", ".join(f"{len(hs)} x {n} ranks" for n, hs in by_layout.items())
+    sizes = ", ".join(f"{len(hs)} x {counted(n, 'rank')}" for n, hs in by_layout.items())
     lines.append(f"hosts: {len(hosts)}" + (f" ({sizes})" if hosts else ""))
     host_lines = [f"  {h}: ranks {compact_ranges(r)}" for h, r in hosts.items()]
     lines.extend(_abbreviate(host_lines))

@@ -108,7 +108,7 @@ def _checked(topo, size, out=None):
     """``topo``, once the job's ``size`` (None: not launched yet) fits it and ``out`` (``--write``) can
     be written: refused before anything is measured, not after."""
     if size is not None and topo.nranks != size:
-        raise Error(f"{topo.source} has {topo.nranks} ranks but the job has {size}: launch "
+        raise Error(f"{topo.source} has {counted(topo.nranks, 'rank')} but the job has {size}: launch "
                     f"mpiexec -n {topo.nranks}")
     if out is not None:
         if topo.source and os.path.exists(out) and os.path.exists(topo.source) and os.path.samefile(out, topo.source):
