@@ -187,6 +187,13 @@ def _functional(array):
     return arr, out, (out.item if np.isscalar(array) else lambda: like_input(out, array))
 
 
+def _array_list(arrays, most=8):
+    """``2 arrays: float64[3], float32[2]`` (elements, in order; the first ``most``)."""
+    shown = ", ".join(f"{a.dtype.name}[{a.size}]" for a in arrays[:most])
+    more = f", ... ({len(arrays) - most} more)" if len(arrays) > most else ""
+    return f"{counted(len(arrays), 'array')}: {shown}{more}"
+
+
 def _numbers(array, what):
     """``array`` as a C-ordered numpy array, or a :class:`ddl.Error` saying why it is none (a ragged
     list, say), rather than numpy's ValueError."""
@@ -881,8 +888,11 @@ class Communicator:
         arrays = [_numbers(a, "grouped_allreduce") for a in given]
         op = resolve_op(op)
         if self.size > 1 and self.check == "always":
-            self._engine.wait(self._agreement_only(grouped(arrays, op, self._topology_digest, self.check),
-                                                   f"grouped_allreduce({len(arrays)} arrays)"))
+            try:
+                self._engine.wait(self._agreement_only(grouped(arrays, op, self._topology_digest, self.check),
+                                                       f"grouped_allreduce({len(arrays)} arrays)"))
+            except MismatchError as exc:    # the ranks compared digests: each says what it passed itself
+                raise MismatchError(f"{exc}; this rank (rank {self.rank}) passed {_array_list(arrays)}") from None
         groups = {}
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype, []).append(i)

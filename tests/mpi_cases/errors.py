@@ -275,8 +275,10 @@ for label, mine, says in (
         ("array sizes that differ on one rank, same total", [np.ones(2), np.ones(3)],
          ["the arrays' dtypes or sizes, in order (the same totals"])):
     arrays = mine if r == last else [np.ones(3), np.ones(2)]
+    own = "float64[2], float64[3]" if mine[1].dtype == np.float64 and r == last else \
+        "float64[3], float32[2]" if r == last else "float64[3], float64[2]"
     expect(ddl.MismatchError, lambda: comm.grouped_allreduce(arrays), "grouped_allreduce of 2 arrays, 5 elements in",
-           *says, label=f"grouped_allreduce with {label}")
+           *says, f"this rank (rank {r}) passed 2 arrays: {own}", label=f"grouped_allreduce with {label}")
     still_works(f"grouped_allreduce with {label}")
     req = comm.Iallreduce(ddl.IN_PLACE, np.full(2, r + 1.0))      # an in-flight call does not confuse the next
     out = comm.grouped_allreduce([np.full(3, r + 1.0), np.full(2, r + 1, np.int32)])
