@@ -26,13 +26,15 @@ import pathlib
 import re
 import reprlib
 import string
+import warnings
 from collections import namedtuple
 
 import yaml
 
 from .errors import TopologyError
 from .schedule import file_kind
-from .units import BANDWIDTH_PS, BANDWIDTH_UNITS, LATENCY_UNITS, format_size, missing_unit_hint, parse_bandwidth, parse_latency, whole_number
+from .units import (BANDWIDTH_PS, BANDWIDTH_UNITS, LATENCY_UNITS, counted, format_size, missing_unit_hint, parse_bandwidth,
+                    parse_latency, whole_number)
 
 KINDS = ("gpu", "cpu", "nic", "switch", "host", "pcie")
 RANK_KINDS = ("gpu", "cpu", "host")     # what a rank (a process) can run on; the others only forward
@@ -361,7 +363,25 @@ def _normalize(name, description, defaults, nodes, links, ranks, where, source):
         if kinds[vertex] not in RANK_KINDS:
             _fail(where, label, f"rank {vertex!r} is a {kinds[vertex]} node, which runs no process; a rank is "
                                 f"{_RANK_NODE}")
+    _warn_loose(node_list, link_list, rank_list, label_of, where)
     return Spec(name, description, defaults, tuple(node_list), tuple(link_list), tuple(rank_list), source)
+
+
+def _warn_loose(node_list, link_list, rank_list, label_of, where):
+    """Warn of nodes that no link touches and no node names as its host (``host:``, or its id's prefix,
+    ``dgx0`` of ``dgx0/gpu3``): they take no part in a plan, so a file that has them most likely lost
+    their links (a ``for:`` that repeats a node but not its link, a deleted line). Not an error: the
+    file still describes the fabric it links."""
+    used = {end for link in link_list for end in (link.a, link.b)} | set(rank_list)
+    used |= {attrs["host"] for _id, _kind, attrs in node_list if "host" in attrs}
+    used |= {node_id[:k] for node_id, _kind, _attrs in node_list for k, c in enumerate(node_id) if c == "/"}
+    loose = [node_id for node_id, _kind, _attrs in node_list if node_id not in used]
+    if loose:
+        shown = ", ".join(map(str, loose[:3])) + (", ..." if len(loose) > 3 else "")
+        warnings.warn(f"{where}: {counted(len(loose), 'node')} ({shown}; first at {label_of[loose[0]]}) "
+                      f"{'has' if len(loose) == 1 else 'have'} no link and take{'s' if len(loose) == 1 else ''} "
+                      f"no part in a plan: link {'it' if len(loose) == 1 else 'them'} or remove "
+                      f"{'it' if len(loose) == 1 else 'them'}", stacklevel=2)
 
 
 def _defaults(entry, where):

@@ -177,3 +177,23 @@ def test_a_name_yaml_read_as_a_boolean_or_number_is_told_how_to_quote_it(tmp_pat
     """(`id: no` was told to quote it as "False", the loaded value rather than the file's word.)"""
     err = load_error(tmp_path, f"name: t\nnodes:\n  - {{id: {spelling}, kind: gpu}}\nlinks: []\nranks: [x]\n")
     assert err.entry == "nodes[0]" and "id must be a non-empty string, " + says in str(err), str(err)
+
+
+def test_nodes_without_links_are_warned_of_by_name(tmp_path):
+    """(2000 switches repeated by a for: without their links were accepted silently; a host node that
+    only names a machine, by the ids under it, is no such node.)"""
+    text = ("name: t\nnodes:\n  - {id: sw, kind: switch}\n  - {id: box, kind: host}\n"
+            "  - {id: 'box/g{i}', kind: gpu, for: {i: 2}}\n  - {id: 'x{k}', kind: switch, for: {k: 2000}}\n"
+            "links:\n  - {a: 'box/g{i}', b: sw, bandwidth: 10 GB/s, for: {i: 2}}\nranks: [box/g0, box/g1]\n")
+    path = tmp_path / "loose.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.warns(UserWarning) as caught:
+        Topology.load(path)
+    assert [str(w.message) for w in caught] == [
+        f"{path}: 2000 nodes (x0, x1, x2, ...; first at nodes[3] (k=0)) have no link and take no part in a plan: "
+        f"link them or remove them"]
+    path.write_text(text.replace("  - {id: 'x{k}', kind: switch, for: {k: 2000}}\n", ""), encoding="utf-8")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Topology.load(path).hosts == {"box": (0, 1)}
