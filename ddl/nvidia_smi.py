@@ -53,8 +53,10 @@ def read_matrix(text, source="<stdin>"):
     lines = [line.rstrip() for line in text.replace("\r", "").split("\n")]
     start = next((k for k, line in enumerate(lines) if line.split()[:1] == ["GPU0"]), None)
     if start is None:
+        already = (" (it reads as a ddl topology file already: give it to `ddl topo show` or `ddl plan`)"
+                   if re.search(r"^(nodes|tiers)\s*:", text, re.M) and re.search(r"^name\s*:", text, re.M) else "")
         raise TopologyError("this is not the output of `nvidia-smi topo -m` (no header line starting "
-                            "with GPU0); save it on one node with `nvidia-smi topo -m > topo.txt`", source)
+                            f"with GPU0){already}; save it on one node with `nvidia-smi topo -m > topo.txt`", source)
     header = lines[start].split()
     first_extra = next((k for k, word in enumerate(header) if word in ("CPU", "NUMA")), len(header))
     devices = header[:first_extra]

@@ -257,7 +257,11 @@ class Schedule:
         ``routes[0].paths[1].via``) instead of failing later, deep in a tool, on a value of the wrong
         type; what the parts mean together (ranks, chunks, pairs) is checked by the constructor and the
         verifier."""
-        if not isinstance(data, dict) or data.get("format") not in _READABLE:
+        given = data.get("format") if isinstance(data, dict) else None
+        if isinstance(given, str) and given.startswith("ddl.schedule/") and given not in _READABLE:
+            raise ScheduleError(f"a ddl schedule of format {given!r}, which this version of ddl does not read "
+                                f"(it reads {', '.join(map(repr, _READABLE))}): plan it again with this version")
+        if given not in _READABLE:
             raise ScheduleError(f"not a ddl schedule (expected \"format\": \"{FORMAT}\")")
         algorithm, info = data.get("algorithm", ""), data.get("info", {})
         if not isinstance(algorithm, str) or not isinstance(info, dict):

@@ -824,7 +824,17 @@ def _bandwidth(value, where, label, key):
         _fail(where, label, f"{key} must be positive and finite, got {value!r}; give {what}")
     if not MIN_BANDWIDTH <= result <= MAX_BANDWIDTH:
         _fail(where, label, f"{key} {value!r} is outside what ddl plans for (1 B/s to 1 EB/s); give {what}")
+    if isinstance(value, int) and not isinstance(value, bool) and result < BARE_NUMBER_WARNING:
+        # bytes/s by definition, but `bandwidth: 100` means 100 Gbit/s to whoever wrote it (a float is
+        # left alone: what Topology.to_dict writes for a rate no unit gives exactly, a scaled one, say)
+        entry = (label or key).split(" (")[0]        # once per entry, not per repetition of a for:
+        warnings.warn(f"{where}: {entry}: {key} {value!r} has no unit and is read as {value!r} B/s; write "
+                      f"the unit, e.g. '{value} Gbit/s' or '{value} GB/s' (or '{value} B/s' if that is meant)",
+                      stacklevel=2)
     return result
+
+
+BARE_NUMBER_WARNING = 1e6    # bytes/s: a whole bare number under 1 MB/s is more likely a rate without its unit
 
 
 def _latency(value, where, label):

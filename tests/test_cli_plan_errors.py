@@ -96,6 +96,8 @@ def test_a_schedule_for_another_rank_count_names_its_file(t4, tmp_path, capsys):
     (lambda d: d.__setitem__("routes", "x"), "routes must be a list of"),
     (lambda d: d.__setitem__("pattern", 4), "pattern must be a list of chunk weights, got 4"),
     (lambda d: d.__setitem__("programs", {"0": []}), "programs must be a list of programs, one per rank"),
+    (lambda d: d.__setitem__("format", "ddl.schedule/9"),           # (was: "not a ddl schedule")
+     "a ddl schedule of format 'ddl.schedule/9', which this version of ddl does not read"),
 ])
 def test_a_wrong_schedule_entry_is_one_line_naming_file_and_entry(t4, tmp_path, capsys, edit, says):
     """These gave a traceback (TypeError: unhashable type, from the simulator) or a bare Python exception
@@ -107,6 +109,14 @@ def test_a_wrong_schedule_entry_is_one_line_naming_file_and_entry(t4, tmp_path, 
     path.write_text(json.dumps(d))
     assert one_error(capsys, ["plan", t4, "--schedule", path, "--workers", "1"]).startswith(
         f"ddl: error: {path}: {says}")
+
+
+def test_save_that_fails_as_it_writes_names_the_option(t4, capsys):
+    """A folder that takes no new file though it looks writable (/proc) failed with the bare OSError."""
+    if not os.path.isdir("/proc") or not os.access("/proc", os.W_OK):
+        pytest.skip("no /proc that looks writable here")
+    assert one_error(capsys, ["plan", t4, "--save", "/proc/ddl-plan.json", "--workers", "1"]).startswith(
+        "ddl: error: --save /proc/ddl-plan.json: cannot write it (")
 
 
 # ---- --timeline ---------------------------------------------------------------------------------------

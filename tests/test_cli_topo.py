@@ -258,3 +258,11 @@ def test_import_refuses_to_write_over_the_file_it_imports(capsys, tmp_path):
     assert main(["topo", "import", str(matrix), "--gpu", "a100", "-o", str(matrix)]) == 2
     assert f"-o {matrix} is the file being imported" in capsys.readouterr().err
     assert matrix.read_text() == original
+
+
+def test_import_of_a_topology_file_says_it_is_one_already(capsys, tmp_path):
+    zoo = str(Path(__file__).parent.parent / "topologies" / "emulated-2rack.yaml")
+    assert main(["topo", "import", zoo, "-o", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "it reads as a ddl topology file already" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.yaml").exists()

@@ -233,6 +233,21 @@ def test_plan_text_flags_a_prediction_below_the_latency_bound(capsys, tmp_path, 
     rows = capsys.readouterr().out.splitlines()
     a100, v100 = (next(row for row in rows if row.startswith(name + " ")) for name in ("dgx-a100", "dgx1-v100"))
     assert re.search(r" 0\.\d+x\*", a100) and "x*" not in v100 and rows[-1].startswith("* below the latency bound")
+    assert rows[0] == "allreduce of 8 B"                  # what the table compares, above it
+    assert main(["plan", str(ZOO / "dgx-a100.yaml"), "--bytes", "8", "--workers", "1", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["below_latency_bound"] is True and record["gap"] < 1 and record["root"] is None
+
+
+def test_a_broadcast_plan_says_its_root(capsys, tmp_path, monkeypatch):
+    """(The root appeared only in the cache file's name.)"""
+    monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    args = ["plan", str(ZOO / "dgx1-v100.yaml"), "--collective", "broadcast", "--root", "2", "--bytes", "1MiB",
+            "--workers", "1"]
+    assert main(args) == 0
+    assert "collective  broadcast of 1 MiB from rank 2\n" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["root"] == 2
 
 
 def test_nothing_to_move_has_a_zero_bound_and_is_not_cached(capsys, tmp_path, monkeypatch):
@@ -323,7 +338,7 @@ def test_plan_of_one_rank_says_nothing_moves(capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize("args,message", [
     (["--workers", "0"], "--workers 0: at least 1"),
     (["--bytes", "12XB"], "--bytes"),
-    (["--collective", "broadcast", "--root", "9"], "--root 9 is not a rank"),
+    (["--collective", "broadcast", "--root", "9"], "--root 9 is not a rank of " + str(ZOO / "emulated-2rack.yaml") + " (8 ranks: give 0 to 7)"),
     (["--root", "2"], "--root 2: allreduce has no root"),
     (["--save", ""], "--save needs a file name"),
     (["--save", str(ZOO / "emulated-2rack.yaml")], "is the topology file itself"),

@@ -197,3 +197,28 @@ def test_nodes_without_links_are_warned_of_by_name(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert Topology.load(path).hosts == {"box": (0, 1)}
+
+
+def test_a_bandwidth_without_its_unit_is_warned_of_once_per_entry(tmp_path):
+    """`bandwidth: 100` is 100 B/s by definition, and was planned so without a word (a 1e4-second
+    prediction beside 16 GB/s links)."""
+    text = ("name: t\nnodes:\n  - {id: sw, kind: switch}\n  - {id: 'g{i}', kind: gpu, for: {i: 3}}\n"
+            "links:\n  - {a: 'g{i}', b: sw, bandwidth: 100, for: {i: 3}}\nranks: [g0, g1, g2]\n")
+    path = tmp_path / "bare.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.warns(UserWarning) as caught:
+        assert Topology.load(path).links[0].bandwidth == 100.0
+    assert sorted({str(w.message) for w in caught}) == [
+        f"{path}: links[0]: bandwidth 100 has no unit and is read as 100 B/s; write the unit, e.g. '100 Gbit/s' "
+        f"or '100 GB/s' (or '100 B/s' if that is meant)"]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # a unit, or a bare number of plausible size: no warning
+        Topology.load(_written(tmp_path, text.replace("bandwidth: 100,", "bandwidth: 100 B/s,")))
+        Topology.load(_written(tmp_path, text.replace("bandwidth: 100,", "bandwidth: 25000000000,")))
+
+
+def _written(tmp_path, text):
+    path = tmp_path / "t.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -54,6 +54,7 @@ import dataclasses
 from ..bounds import lower_bound
 from ..errors import PlanError
 from ..schedule import RECV, REDUCE, SEND, Op, Schedule
+from ..units import counted
 from .ring import check_request
 from .variants import tried, try_variant
 
@@ -72,7 +73,8 @@ def slow_hosts(topo):
     :class:`PlanError` when no host is slow or fewer than two ranks would be left in the core."""
     bandwidths = topo.host_bandwidths
     if len(bandwidths) < 2:
-        raise PlanError(f"{NAME} needs hosts to delegate from; {topo.name} has {len(bandwidths)}")
+        raise PlanError(f"{NAME}: needs two hosts or more (a slow host delegates to the others); {topo.name} has "
+                        f"{counted(len(bandwidths), 'host')} with ranks")
     fastest = max(bandwidths.values())
     slow = [topo.hosts[h] for h, b in bandwidths.items() if b * SLOW_RATIO <= fastest]
     if not slow:

@@ -30,6 +30,7 @@ from scipy.optimize import linprog
 
 from ..errors import PlanError
 from ..schedule import MAX_PATTERN_TOTAL, ScheduleBuilder
+from ..units import counted
 from .ring import (MAX_CHUNKS, MAX_PIPELINE, SEARCH_LIMIT, check_request, pipeline_depth, rank_partitions,
                    ring_order, rings_allgather, rings_reduce_scatter, widest_ring)
 
@@ -49,7 +50,8 @@ def ring_channels(topo, collective, *, root=0, nbytes=None):
     p = topo.nranks
     check_request(NAME, collective, p, root)
     if p < 3:
-        raise PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
+        raise PlanError(f"{NAME}: {counted(p, 'rank')} {'has' if p == 1 else 'have'} one ring at most (both directions "
+                        f"are the same pair)")
     per_ring = ring_ops(p, collective)
     if 2 * per_ring > MAX_OPS:
         raise PlanError(f"{NAME}: two channels on {p} ranks take {2 * per_ring} operations "

@@ -51,7 +51,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..errors import PlanError
 from ..simulate import simulate
-from ..units import format_bandwidth
+from ..units import counted, format_bandwidth
 from .multicommodity_flow import repeats_a_base
 from .ring import check_request
 from .ring_channels import MAX_CHANNELS, MIN_GAIN, candidate_orders, choose_channels, rated_channels
@@ -90,7 +90,8 @@ def pack_rings(topo):
     not: the same for every collective and size, so worked out once per topology."""
     p = topo.nranks
     if p < 3:
-        return PlanError(f"{NAME}: {p} ranks have one ring (both directions are the same pair)")
+        return PlanError(f"{NAME}: {counted(p, 'rank')} {'has' if p == 1 else 'have'} one ring at most (both directions "
+                         f"are the same pair)")
     if p > MAX_RANKS:
         return PlanError(f"{NAME}: pricing rings is exponential in the ranks; up to {MAX_RANKS} ranks, "
                          f"not {p} ('ring-channels' and 'hierarchical' plan this size)")

@@ -92,7 +92,8 @@ def run(args):
     for path in args.files:            # every file read and checked before any is planned
         topo = Topology.load(path)
         if not 0 <= args.root < topo.nranks:
-            raise PlanError(f"--root {args.root} is not a rank of {path} ({counted(topo.nranks, 'rank')})")
+            raise PlanError(f"--root {args.root} is not a rank of {path} ({counted(topo.nranks, 'rank')}: "
+                            f"give 0{f' to {topo.nranks - 1}' if topo.nranks > 1 else ''})")
         topos.append(topo)
     plans = []
     for topo in topos:
@@ -107,7 +108,10 @@ def run(args):
             plan = planner.plan(args.collective, nbytes, args.algorithm, args.root, exhaustive=args.compare)
             plans.append((topo, plan, _cache_state(planner, args, nbytes, plan)))
     if args.save:
-        plans[0][1].schedule.save(args.save)
+        try:
+            plans[0][1].schedule.save(args.save)
+        except OSError as exc:         # what the checks before could not foresee (/proc, a full disk)
+            raise PlanError(f"--save {args.save}: cannot write it ({exc.strerror or exc})") from None
     records = [_record(topo, plan, cached, _timeline(topo, plan) if args.timeline else None)
                for topo, plan, cached in plans]
     if args.json:
@@ -181,12 +185,14 @@ def _record(topo, plan, cached=None, timeline=None):
         "algorithm": plan.algorithm,
         "ranks": p,
         "bytes": plan.nbytes,
+        "root": int(sched.root) if plan.collective == "broadcast" else None,
         "predicted_seconds": plan.predicted_seconds,
         "bound_seconds": plan.bound_seconds,
         "bandwidth_bound_seconds": plan.bandwidth_bound_seconds,
         "latency_bound_seconds": plan.latency_bound_seconds,
         "message_cost_seconds": topo.message_cost,
         "gap": plan.gap,
+        "below_latency_bound": _below_latency_bound(plan.gap),
         "algbw": plan.nbytes / plan.predicted_seconds if plan.predicted_seconds else None,
         "busbw": busbw(plan.collective, plan.nbytes, plan.predicted_seconds, p) if plan.predicted_seconds else None,
         "baselines": plan.baselines,
@@ -211,9 +217,8 @@ def _explain(topo, plan, r):
     """The text form of ``r``, the plan's :func:`_record` (with its timeline, when asked for)."""
     timeline = r.get("timeline")
     lines = [
-        f"topology    {topo.name} ({topo.nranks} rank{'s' * (topo.nranks != 1)}, {len(topo.hosts)} "
-        f"host{'s' * (len(topo.hosts) != 1)})",
-        f"collective  {plan.collective} of {format_size(plan.nbytes)}",
+        f"topology    {topo.name} ({counted(topo.nranks, 'rank')}, {counted(len(topo.hosts), 'host')})",
+        f"collective  {_what(r)}",
         f"algorithm   {plan.algorithm}",
         f"why         {plan.reason}",
     ]
@@ -230,8 +235,9 @@ def _explain(topo, plan, r):
                      " messages at once, which the bound's round model rules out"
                      + ("" if topo.message_cost else " and the simulator charges nothing for (no message_cost"
                                                       " in the file's defaults)"))
-    spans = f", {r['spans']} spans" if r["spans"] else ""
-    lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({r['chunks']} chunks{spans}, {r['operations']} operations)")
+    spans = f", {counted(r['spans'], 'span')}" if r["spans"] else ""
+    lines.append(f"verified    {'yes' if plan.verified else 'NO'} ({counted(r['chunks'], 'chunk')}{spans}, "
+                 f"{counted(r['operations'], 'operation')})")
     if r["cache_file"] or r["cache_holds_other"]:
         from ..planner import size_class
         top = size_class(plan.nbytes)
@@ -270,7 +276,7 @@ def _explain(topo, plan, r):
 def _compare_table(records):
     head = f"{'topology':<28}{'ranks':>6}  {'auto picks':<20}{'busbw':>12}{'gap':>7} " + "".join(
         f"{'vs ' + label:>24}" for label, _ in COMPARED)
-    rows = [head, "-" * len(head)]
+    rows = [_what(records[0]), head, "-" * len(head)]
     for r in records:
         cells = []
         for _, names in COMPARED:
@@ -285,6 +291,12 @@ def _compare_table(records):
         rows.append("* below the latency bound: ranks send or receive several messages at once, which the "
                     "bound's round model rules out")
     return "\n".join(rows)
+
+
+def _what(r):
+    """``allreduce of 256 MiB``, ``broadcast of 1 MiB from rank 2``: the call a record plans."""
+    root = f" from rank {r['root']}" if r["root"] is not None else ""
+    return f"{r['collective']} of {format_size(r['bytes'])}{root}"
 
 
 def _below_latency_bound(gap):

@@ -297,8 +297,8 @@ def _cut_line(topo):
     rs = bounds.cut_bound(topo, reverse=True).seconds_per_byte
     same = math.isclose(rs, spb, rel_tol=1e-9)
     return [
-        f"limiting cut (ForestColl): S holds {cb.ranks_in_cut} of {p} ranks ({where}; plus {others} other "
-        f"vertices), {format_bandwidth(cb.bandwidth_out)} leaves S",
+        f"limiting cut (ForestColl): S holds {cb.ranks_in_cut} of {counted(p, 'rank')} ({where}; plus "
+        f"{counted(others, 'other vertex', 'other vertices')}), {format_bandwidth(cb.bandwidth_out)} leaves S",
         *([one_way(spb, "allgather / reduce-scatter", "")] if same else
           [one_way(spb, "allgather", ""),
            one_way(rs, "reduce-scatter", "its cut on the fabric reversed: links differ by direction")]),
