@@ -200,7 +200,7 @@ def test_topology_schedules_verify(name):
     topos = [cluster(4, 4, interleave=True), cluster(3, 3), three_tier(), dgx1(), cluster(1, 1)]
     for topo in topos:
         if name == "delegated":            # every host as fast as the others, or no hosts at all
-            with pytest.raises(PlanError, match="no host's links are 2x slower|needs hosts"):
+            with pytest.raises(PlanError, match="no host's links are 2x slower|needs two hosts or more"):
                 ALGORITHMS[name](topo, "allreduce")
             continue
         if name == "direct-link-trees" and topo.nranks > 1 and direct_links(topo)[0] is None:

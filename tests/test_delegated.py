@@ -32,7 +32,7 @@ def test_it_declines_where_no_host_is_slow_or_the_core_is_one_rank():
         ALGORITHMS["delegated"](cluster([4, 4, 2], [10, 10, 6]), "allreduce")
     with pytest.raises(PlanError, match="at least 2 must form the core"):
         ALGORITHMS["delegated"](cluster([1, 4], [10, 1]), "allreduce")
-    with pytest.raises(PlanError, match="needs hosts"):
+    with pytest.raises(PlanError, match="needs two hosts or more"):
         ALGORITHMS["delegated"](Topology.load(ZOO / "fat-tree-4x4-r4.yaml"), "allreduce")
     with pytest.raises(PlanError, match="does not support 'allgather'"):
         ALGORITHMS["delegated"](cluster([4, 2], [10, 1]), "allgather")
