@@ -46,6 +46,7 @@ import numpy as np
 
 from .bench_report import format_row, link_lines, plot, print_summary, table_header, trace_lines, widths_for
 from .cli import check_output_file
+from .cli.argtypes import comma_separated
 from .errors import Error, PlanError
 from .planner import FLAT_BANDWIDTH
 from .settings import named_by_env
@@ -189,11 +190,12 @@ def parse_names(text, choices, what):
     """Comma-separated names from ``choices``, in any case (order kept, duplicates dropped); ``none``
     alone, or nothing, is []. An empty entry (``mpi,``) or ``none`` beside names is refused: a typo
     that would otherwise change what runs without a word."""
-    items = [name.strip().lower() for name in str(text).split(",")]
-    if items in ([""], ["none"]):
+    try:
+        items = [name.lower() for name in comma_separated(text)]
+    except ValueError as exc:
+        raise Error(f"{what}: {exc}") from None
+    if items in ([], ["none"]):
         return []
-    if "" in items:
-        raise Error(f"{what}: an empty entry in {text!r}; separate the names by single commas")
     if "none" in items:
         raise Error(f"{what}: 'none' stands alone; give none or names from {', '.join(choices)}")
     for name in items:

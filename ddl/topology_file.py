@@ -378,10 +378,9 @@ def _warn_loose(node_list, link_list, rank_list, label_of, where):
     loose = [node_id for node_id, _kind, _attrs in node_list if node_id not in used]
     if loose:
         shown = ", ".join(map(str, loose[:3])) + (", ..." if len(loose) > 3 else "")
-        warnings.warn(f"{where}: {counted(len(loose), 'node')} ({shown}; first at {label_of[loose[0]]}) "
-                      f"{'has' if len(loose) == 1 else 'have'} no link and take{'s' if len(loose) == 1 else ''} "
-                      f"no part in a plan: link {'it' if len(loose) == 1 else 'them'} or remove "
-                      f"{'it' if len(loose) == 1 else 'them'}", stacklevel=2)
+        has, takes, them = ("has", "takes", "it") if len(loose) == 1 else ("have", "take", "them")
+        warnings.warn(f"{where}: {counted(len(loose), 'node')} ({shown}; first at {label_of[loose[0]]}) {has} "
+                      f"no link and {takes} no part in a plan: link {them} or remove {them}", stacklevel=2)
 
 
 def _defaults(entry, where):

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 import ddl
 from ddl.cli import check_output_file
-from ddl.cli.argtypes import MPIParser, fail, size
+from ddl.cli.argtypes import MPIParser, at_least, fail, size
 from ddl.trace import MessageTrace, chrome_trace, gather
 from ddl.units import counted, format_seconds, format_size
 
@@ -35,14 +35,6 @@ def pick_topology(path, size):
         if Topology.load(zoo).nranks == size:
             return zoo
     return None
-
-
-def iterations(text):
-    """--iters: the timings' best and median need one call at least."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
-    return value
 
 
 def float32_bytes(text):
@@ -90,7 +82,8 @@ def main():
                          "rank count is the job's, else every rank on one switch)")
     ap.add_argument("--size", type=float32_bytes, default="4MiB",
                     help="bytes of float32 per rank (default 4MiB)")
-    ap.add_argument("--iters", type=iterations, default=5, help="timed calls, after one untimed (default 5)")
+    ap.add_argument("--iters", type=at_least(1), default=5,       # the best and median need one call
+                    help="timed calls, after one untimed (default 5)")
     ap.add_argument("--trace", default=None, metavar="FILE.json",
                     help="write when every message of the timed calls was posted and arrived, on every rank, "
                          "as a Chrome trace (open it in https://ui.perfetto.dev)")
@@ -139,7 +132,7 @@ def main():
         best = min(times)
         print(f"  result check: {'OK' if all_ok else 'WRONG'}")
         print(f"  time: best {format_seconds(best)}, median {format_seconds(statistics.median(times))} "
-              f"({count * 4 / best / 1e6:.1f} MB/s algorithm bandwidth)")
+              f"({nbytes / best / 1e6:.1f} MB/s algorithm bandwidth)")
     comm.Free()
     if not all_ok:
         raise SystemExit(1)

@@ -109,6 +109,17 @@ def positive_float(text):
     return value
 
 
+def comma_separated(text):
+    """The entries of a comma-separated list, stripped of spaces; [] for blank text. An empty entry is a
+    ValueError (``0,,1`` or ``mpi,`` is a typo, not a list that means less)."""
+    items = [item.strip() for item in str(text).split(",")]
+    if items == [""]:
+        return []
+    if "" in items:
+        raise ValueError(f"an empty entry in {text!r}: separate the entries by single commas")
+    return items
+
+
 def list_of(parse, unique=True):
     """An argparse type: comma-separated values, each stripped of spaces and read by ``parse`` (a plain
     parser or an argparse type); an empty entry is refused (``0,,1`` is a typo, not two GPUs), and so is
@@ -117,12 +128,9 @@ def list_of(parse, unique=True):
     parse = reported(parse)
 
     def parse_all(text):
-        items = [item.strip() for item in text.split(",")]
-        if not text.strip():
+        items = reported(comma_separated)(text)
+        if not items:
             raise argparse.ArgumentTypeError("an empty list: name at least one")
-        if "" in items:
-            raise argparse.ArgumentTypeError(f"an empty entry in {text!r}: separate the entries by single "
-                                             f"commas")
         values = [parse(item) for item in items]
         twice = next((v for i, v in enumerate(values) if v in values[:i]), None) if unique else None
         if twice is not None:

@@ -263,7 +263,7 @@ def _split_command(args):
                     "after --, e.g. ddl emulate run FILE -- CMD ...")
     if opts.help:
         return None
-    cmd = _without_dashes(opts.cmd[1:] if opts.cmd[:1] == ["--"] else opts.cmd)
+    cmd = _without_dashes(_without_dashes(opts.cmd))     # the `--` argparse kept, then a second one
     vars(args).update({k: v for k, v in vars(opts).items() if k not in ("cmd", "help")})
     return cmd
 

@@ -56,8 +56,8 @@ TBF_BURST_SECONDS = 1e-3
 resolution, so a 64 KiB bucket on a 1.6 Tbit/s link rounds to zero and would drop everything."""
 
 TBF_LATENCY_SECONDS = 0.02
-TBF_LATENCY = "20ms"
 """tbf queue length expressed as delay: enough for TCP to fill the link, small enough to stay fair."""
+TBF_LATENCY = f"{TBF_LATENCY_SECONDS * 1000:g}ms"     # as tc takes it
 MAX_SHAPED_BITS = int(8 * (2 ** 32 - 1) / (TBF_BURST_SECONDS + TBF_LATENCY_SECONDS))
 """The fastest rate shaped as asked (1.6 Tbit/s): tbf holds its bucket and its queue (the rate times
 :data:`TBF_LATENCY`, plus the bucket) in 32-bit byte counts. Above it tc refuses the bucket, or the
