@@ -4,7 +4,8 @@ MPI leaves a mismatch (rank 3 calls ``Allreduce`` with 1001 floats, the others w
 usually a hang, sometimes a truncation error, sometimes a silently wrong answer. ddl checks instead.
 
 **The check.** A collective's *signature* is (sequence number, collective, count, dtype, op, root,
-digest of the schedule that will run, topology fingerprint, check mode). Two implementations, with the
+digest of the schedule that will run, topology fingerprint, check mode, and for the functional
+``allreduce`` a digest of the array's shape). Two implementations, with the
 same guarantee -- one point of agreement per collective, seen identically by every rank:
 
 * across nodes: every rank hashes its signature to ``h`` (62 bits) and the ranks run ONE tiny
@@ -47,6 +48,7 @@ range; ``TagSpace.salt_bits`` in :mod:`ddl.executor`). ``check="off"`` skips the
 stay salted). All ranks must use the same ``check`` mode (verified when the Communicator is created).
 "new" and "off" use the MPI implementation of the check.
 """
+import copy
 import functools
 import hashlib
 
@@ -68,8 +70,8 @@ _MASK62 = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 # Layout of the int64 signature vector gathered on mismatch.
-SIG_LEN = 11
-(_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT, _SCHED, _TOPO, _MODE) = range(SIG_LEN)
+SIG_LEN = 12
+(_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT, _SCHED, _TOPO, _MODE, _SHAPE) = range(SIG_LEN)
 
 
 def digest62(*parts):
@@ -121,6 +123,17 @@ class Signature:
         """62-bit hash of this signature at sequence number ``seq``."""
         return (self.base ^ ((seq * _GOLDEN) & _MASK62)) & _MASK62
 
+    def shaped(self, shape):
+        """This signature for the functional ``allreduce`` of an array of ``shape``. Ranks whose arrays
+        hold as many elements in other shapes then disagree, as in Horovod: reducing a ``(2, 3)`` into
+        a ``(3, 2)`` element by element is a bug of the caller's, and so is mixing the functional call
+        with the buffer API's ``Allreduce`` (whose word is 0) in one collective."""
+        sig = copy.copy(self)
+        sig.vector = self.vector.copy()
+        sig.vector[_SHAPE] = digest62("shape", *shape) or 1
+        sig.base = digest62(*sig.vector[1:].tolist())
+        return sig
+
     def with_seq(self, seq):
         vec = self.vector.copy()
         vec[_SEQ] = seq
@@ -156,9 +169,10 @@ def grouped(arrays, op, topology_digest, mode="always"):
     """The signature of a grouped allreduce's arrays, which its ranks agree on before its collectives
     start: they run one collective per dtype, so ranks that passed different dtypes would otherwise
     start different numbers of collectives and fall out of step. It holds the number of arrays, of
-    elements and of dtypes, and a digest of every array's dtype and size in order."""
+    elements and of dtypes, and a digest of every array's dtype and shape in order (shapes as the
+    functional ``allreduce`` compares them: see :meth:`Signature.shaped`)."""
     dtypes = {a.dtype for a in arrays}
-    layout = digest62(*(f"{a.dtype.str}:{a.size}" for a in arrays))
+    layout = digest62(*(f"{a.dtype.str}:{a.shape}" for a in arrays))
     sig = Signature("allreduce", sum(a.size for a in arrays), None, op, len(dtypes), layout, topology_digest, mode)
     sig.vector[_COLL] = COLLECTIVE_CODES["allreduce"] + GROUPED
     sig.vector[_ITEMSIZE] = len(arrays)
@@ -238,6 +252,8 @@ def describe(vec, several=False):
         return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in "
                 f"{counted(ndtypes, 'dtype')} ({op_from_code(vec[_OP]).name})")
     name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
+    if int(vec[_SHAPE]):
+        name = "allreduce"          # the functional call (see Signature.shaped)
     if int(vec[_COLL]) in (COLLECTIVE_CODES["barrier"], COLLECTIVE_CODES["free"]):
         return name
     text = f"{name} with {int(vec[_COUNT])} {_dtype_name(vec[_DT0], vec[_DT1])}"
@@ -268,14 +284,15 @@ _FIELDS = ((_SEQ, "call sequence (a rank skipped or added a ddl collective)"), (
            (_ROOT, "root"), (_SCHED, "schedule (the ranks' algorithm=, planner, pinned schedule or plan cache differ: "
                                               "node-local caches may hold other plans of this size class; give "
                                               "all ranks one DDL_CACHE_DIR or delete the stale plan files)"),
-           (_TOPO, "topology"), (_MODE, "check mode"))
+           (_TOPO, "topology"), (_MODE, "check mode"), (_SHAPE, "array shape"))
+_MIXED = "collective (the functional allreduce, which compares array shapes, against the buffer API's Allreduce)"
 
 
-_CALL_FIELDS = (_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT)
+_CALL_FIELDS = (_SEQ, _COLL, _COUNT, _ITEMSIZE, _DT0, _DT1, _OP, _ROOT, _SHAPE)
 
 # The same fields where every rank made a grouped call (see grouped).
 _GROUPED_FIELDS = ((_SEQ, _FIELDS[0][1]), (_COUNT, "number of elements"), (_ITEMSIZE, "number of arrays"),
-                   (_ROOT, "number of dtypes"), (_SCHED, "the arrays' dtypes or sizes"), (_OP, "op"),
+                   (_ROOT, "number of dtypes"), (_SCHED, "the arrays' dtypes or shapes"), (_OP, "op"),
                    (_TOPO, "topology"), (_MODE, "check mode"))
 
 
@@ -307,8 +324,10 @@ def mismatch_error(table, seq, rank):
         if len({row[idx] for row in rows}) > 1 and label not in differs:
             differs.append(label)
     if all_grouped and differs == [_GROUPED_FIELDS[4][1]]:   # the same totals: an order or a split differs
-        differs = ["the arrays' dtypes or sizes, in order (the same totals: arrays in another order or split "
-                   "otherwise)"]
+        differs = ["the arrays' dtypes or shapes, in order (the same totals: arrays in another order, split or "
+                   "shaped otherwise)"]
+    if "array shape" in differs and not all(row[_SHAPE] for row in rows):
+        differs[differs.index("array shape")] = _MIXED
     msg = (f"ranks disagree on ddl collective #{seq} (reported on rank {rank}): " + "; ".join(parts)
            + (f" [differs in: {', '.join(differs)}]" if differs else ""))
     err = MismatchError(msg)

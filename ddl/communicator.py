@@ -187,9 +187,14 @@ def _functional(array):
     return arr, out, (out.item if np.isscalar(array) else lambda: like_input(out, array))
 
 
+def _array_text(a):
+    """``float64[2, 3]``: an array's dtype and shape (``float64 scalar`` for a 0-d one)."""
+    return f"{a.dtype.name}[{', '.join(map(str, a.shape))}]" if a.ndim else f"{a.dtype.name} scalar"
+
+
 def _array_list(arrays, most=8):
-    """``2 arrays: float64[3], float32[2]`` (elements, in order; the first ``most``)."""
-    shown = ", ".join(f"{a.dtype.name}[{a.size}]" for a in arrays[:most])
+    """``2 arrays: float64[3], float32[2, 2]`` (dtypes and shapes, in order; the first ``most``)."""
+    shown = ", ".join(_array_text(a) for a in arrays[:most])
     more = f", ... ({len(arrays) - most} more)" if len(arrays) > most else ""
     return f"{counted(len(arrays), 'array')}: {shown}{more}"
 
@@ -322,6 +327,7 @@ class Communicator:
         self._schedule_digests = {}
         self._seen = set()
         self._args = {}  # recent Allreduce arguments -> parsed (see _allreduce_start)
+        self._shaped_sigs = {}  # (signature base, array shape) -> the functional allreduce's (see _shaped)
         self._device = None  # the device executor, created by the first collective on GPU buffers
         self.last_path = None  # "host", or the device path that ran last ("nccl", ...; see ddl.gpu)
 
@@ -562,7 +568,8 @@ class Communicator:
         return finish
 
     # ---- the engine entry -----------------------------------------------------------------------
-    def _start(self, layout, send, recv, count, dtype, op, root, sig_count, blocking=False):
+    def _start(self, layout, send, recv, count, dtype, op, root, sig_count, blocking=False, shape=None):
+        """Start a collective; ``shape``: the array's, for the functional allreduce (see Signature.shaped)."""
         if self._freed:
             raise Error("this ddl.Communicator was freed")
         engine = self._engine
@@ -571,6 +578,8 @@ class Communicator:
         if divides_first(op, dtype, self.size):
             layout, send, recv = self._divided_first(layout, send, recv, count)
         plan, sig, finish, label, limit = self._compiled(layout, count, dtype, op, root, sig_count)
+        if shape is not None:
+            sig = self._shaped(sig, shape)
         self._engine.admit(plan)   # may refuse the call: before it takes a sequence number
         seq = self._seq
         self._seq = seq + 1
@@ -595,6 +604,16 @@ class Communicator:
         ex.salt = sig.base
         self._engine.start(ex, blocking)
         return ex
+
+    def _shaped(self, sig, shape):
+        """``sig.shaped(shape)``, kept for the next call of a training loop (a few recent ones)."""
+        key = (sig.base, shape)
+        shaped = self._shaped_sigs.get(key)
+        if shaped is None:
+            if len(self._shaped_sigs) >= 64:
+                del self._shaped_sigs[next(iter(self._shaped_sigs))]
+            shaped = self._shaped_sigs[key] = sig.shaped(shape)
+        return shaped
 
     def _divided_first(self, layout, send, recv, count):
         """``(layout, send, recv)`` of an AVG that divides every input first (float16, see
@@ -656,7 +675,7 @@ class Communicator:
         return send, recv, op
 
     @_announced("allreduce")
-    def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False):
+    def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False, shape=None):
         # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
         # Their memory cannot have moved: the entry holds weak references to them, and numpy refuses
         # to resize an array that has one, even with refcheck=False. Their dtypes and recvbuf's
@@ -665,7 +684,7 @@ class Communicator:
         if hit is not None and hit[0] is sendbuf and hit[1] is recvbuf and hit[2] is op and \
                 recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]) and \
                 recvbuf.flags.writeable:
-            return self._start(*hit[5], blocking)
+            return self._start(*hit[5], blocking, shape)
         send, recv, op_ = self._reduction_args(sendbuf, recvbuf, op)
         if send is None:
             args = ("allreduce_inplace", None, recv, recv.size, recv.dtype, op_, 0, recv.size)
@@ -673,7 +692,7 @@ class Communicator:
             if send.size != recv.size:
                 raise Error(f"Allreduce: sendbuf has {send.size} elements but recvbuf {recv.size}; they must match")
             args = ("allreduce", send, recv, recv.size, recv.dtype, op_, 0, recv.size)
-        ex = self._start(*args, blocking)
+        ex = self._start(*args, blocking, shape)
         if type(recvbuf) is np.ndarray and recv.nbytes <= _ARG_CACHE_BYTES and (
                 type(sendbuf) is np.ndarray or is_in_place(sendbuf)):
             # holds references to both arrays, so their ids cannot be reused while cached, and weak
@@ -864,13 +883,28 @@ class Communicator:
     @_announced("allreduce")
     def _host_allreduce(self, array, op):
         arr, out, result = _functional(array)
-        self._engine.wait(self._allreduce_start(arr, out, op, blocking=True))
+        self._engine.wait(self._noting_array(self._allreduce_start(arr, out, op, blocking=True, shape=arr.shape), arr))
         return result()
 
     @_announced("allreduce")
     def _host_iallreduce(self, array, op):
         arr, out, result = _functional(array)
-        return Request(self._allreduce_start(arr, out, op), self._engine, result)
+        return Request(self._noting_array(self._allreduce_start(arr, out, op, shape=arr.shape), arr), self._engine,
+                       result)
+
+    def _noting_array(self, ex, arr):
+        """``ex``, whose MismatchError (if the ranks disagree) ends by saying what this rank passed: the
+        ranks compared only digests of their shapes."""
+        before = ex.on_error
+
+        def on_error(ex):
+            ex.on_error = before            # (said once, however often the request is waited for)
+            if before is not None:
+                before(ex)
+            if isinstance(ex.error, MismatchError):
+                ex.error.args = (f"{ex.error}; this rank (rank {self.rank}) passed {_array_text(arr)}",)
+        ex.on_error = on_error
+        return ex
 
     @_one_thread
     def grouped_allreduce(self, arrays, op=SUM):
@@ -881,7 +915,7 @@ class Communicator:
     @_announced("grouped_allreduce")
     def grouped_iallreduce(self, arrays, op=SUM):
         """Nonblocking :meth:`grouped_allreduce`. With ``check="always"`` it first waits until every
-        rank has called it with the same dtypes and sizes (else MismatchError on every rank): each rank
+        rank has called it with the same dtypes and shapes (else MismatchError on every rank): each rank
         then starts the same collectives, one per dtype, so a mismatch cannot leave one of them behind
         to pair with a later call."""
         given = list(arrays)

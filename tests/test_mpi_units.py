@@ -220,12 +220,35 @@ def test_a_grouped_call_agrees_on_every_array_and_says_what_differs():
     assert grouped([np.zeros(3), np.zeros(2)], ddl.SUM, 22).hash(3) == one.hash(3)   # the values do not count
     text = str(mismatch_error([one.with_seq(3), two.with_seq(3)], 3, rank=0))
     assert "rank 1 called grouped_allreduce of 2 arrays, 5 elements in 2 dtypes (SUM)" in text
-    assert "[differs in: number of dtypes, the arrays' dtypes or sizes]" in text, text
-    assert "[differs in: the arrays' dtypes or sizes, in order (the same totals: arrays in another order or split " \
-           "otherwise)]" in str(mismatch_error([one.with_seq(3), swapped.with_seq(3)], 3, 0))
+    assert "[differs in: number of dtypes, the arrays' dtypes or shapes]" in text, text
+    assert "[differs in: the arrays' dtypes or shapes, in order (the same totals: arrays in another order, split " \
+           "or shaped otherwise)]" in str(mismatch_error([one.with_seq(3), swapped.with_seq(3)], 3, 0))
+    reshaped = grouped([np.ones((3, 1)), np.ones(2)], ddl.SUM, 22)         # same dtypes and sizes, one shape more
+    assert reshaped.hash(3) != one.hash(3) and "in order (the same totals" in str(
+        mismatch_error([one.with_seq(3), reshaped.with_seq(3)], 3, 0))
     plain = Signature("allreduce", 5, np.dtype(np.float64), ddl.SUM, 0, 11, 22)
     text = str(mismatch_error([plain.with_seq(3), one.with_seq(3)], 3, rank=0))
     assert "rank 0 called Allreduce with 5 float64 (SUM); rank 1 called grouped_allreduce" in text, text
+
+
+def test_the_functional_allreduce_agrees_on_shapes_and_names_what_differs():
+    plain = Signature("allreduce", 6, np.dtype(np.float64), ddl.SUM, 0, 11, 22)
+    wide, tall = plain.shaped((2, 3)), plain.shaped((3, 2))
+    assert len({plain.hash(5), wide.hash(5), tall.hash(5), plain.shaped((6,)).hash(5)}) == 4
+    assert plain.shaped((2, 3)).hash(5) == wide.hash(5) and plain.shaped(()).hash(5) != plain.shaped((1,)).hash(5)
+    assert plain.vector[-1] == 0 and describe(plain.vector).startswith("Allreduce with 6 float64")
+    assert describe(wide.vector) == "allreduce with 6 float64 (SUM)"
+    text = str(mismatch_error([wide.with_seq(5), tall.with_seq(5), wide.with_seq(5)], 5, rank=1))
+    assert "rank 1 called allreduce with 6 float64 (SUM); ranks 0, 2 called allreduce with 6 float64 (SUM) " \
+           "[differs in: array shape]" in text, text
+    text = str(mismatch_error([plain.with_seq(5), wide.with_seq(5)], 5, rank=1))
+    assert "rank 0 called Allreduce with 6 float64 (SUM); rank 1 called allreduce with 6 float64 (SUM) [differs in: " \
+           "collective (the functional allreduce, which compares array shapes, against the buffer API's Allreduce)]" \
+           in text, text
+    # a count that differs too is named with the shape, and the schedule word stays out of it
+    other = Signature("allreduce", 8, np.dtype(np.float64), ddl.SUM, 0, 12, 22).shaped((2, 4))
+    text = str(mismatch_error([wide.with_seq(5), other.with_seq(5)], 5, rank=0))
+    assert "[differs in: count, array shape]" in text, text
 
 
 def test_scratch_is_reused_per_plan_and_bounded_in_bytes_over_all_plans():

@@ -268,12 +268,12 @@ one_rank_refuses("ragged list on one rank", 1 % p, lambda: comm.allreduce([1.0, 
 chk.ok(np.array_equal(comm.allreduce(np.full(2, r + 1.0)), np.full(2, p * (p + 1) / 2)), "allreduce after a refusal")
 one_rank_refuses("grouped_allreduce of a ragged list on one rank", last, lambda: comm.grouped_allreduce([np.ones(2)]),
                  lambda: comm.grouped_allreduce([[[1.0], [2.0, 3.0]]]), ["inhomogeneous"], collective="grouped_allreduce")
-# grouped calls run one collective per dtype: ranks that pass different dtypes or sizes must all raise, and
+# grouped calls run one collective per dtype: ranks that pass different dtypes or shapes must all raise, and
 # start none of them (a collective started on one rank only once paired with the next call: wrong sums)
 for label, mine, says in (
         ("a dtype more on one rank", [np.ones(3), np.ones(2, np.float32)], ["number of dtypes"]),
         ("array sizes that differ on one rank, same total", [np.ones(2), np.ones(3)],
-         ["the arrays' dtypes or sizes, in order (the same totals"])):
+         ["the arrays' dtypes or shapes, in order (the same totals"])):
     arrays = mine if r == last else [np.ones(3), np.ones(2)]
     own = "float64[2], float64[3]" if mine[1].dtype == np.float64 and r == last else \
         "float64[3], float32[2]" if r == last else "float64[3], float64[2]"
@@ -289,6 +289,26 @@ expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(5)) if r 
     [np.ones(3), np.ones(2)]), f"rank {last} called Allreduce with 5 float64", "called grouped_allreduce of 2 arrays",
     label="a grouped call against a plain one")
 still_works("a grouped call against a plain one")
+# the functional allreduce compares shapes (as Horovod does): a transposed array on one rank, a scalar against a
+# one-element array, the functional call against the buffer API's; blocking and not, the request waited twice
+for label, mine, theirs, says in (
+        ("a transposed array", np.ones((3, 2)), np.ones((2, 3)), "[differs in: array shape]"),
+        ("a scalar against an array of one", np.ones(1), 2.0, "[differs in: array shape]")):
+    own = "float64[3, 2]" if mine.ndim == 2 else "float64[1]"
+    expect(ddl.MismatchError, lambda: comm.allreduce(mine if r == last else theirs),
+           f"rank {last} called allreduce with {mine.size} float64 (SUM)", says,
+           f"this rank (rank {r}) passed {own if r == last else 'float64[2, 3]' if mine.ndim == 2 else 'float64 scalar'}",
+           label=f"allreduce of {label}")
+    still_works(f"allreduce of {label}")
+req = comm.iallreduce(np.ones(6) if r == 0 else np.ones((2, 3)))
+first = expect(ddl.MismatchError, req.wait, "called allreduce with 6 float64 (SUM)", "[differs in: array shape]",
+               label="iallreduce of another shape on rank 0")
+chk.ok(expect(ddl.MismatchError, req.wait, label="iallreduce waited again") == first, "the second wait says it again")
+expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(6)) if r == 0 else comm.allreduce(np.ones(6)),
+       "rank 0 called Allreduce with 6 float64", "called allreduce with 6 float64", "against the buffer API's Allreduce",
+       label="the functional call against the buffer API's")
+chk.ok(np.array_equal(comm.allreduce(np.full((2, 3), r + 1.0)), np.full((2, 3), p * (p + 1) / 2)),
+       "allreduce of one shape everywhere, after the mismatches")
 # one buffer in two calls in flight (MPI forbids it; it gave garbage): refused, and every rank raises (those
 # whose first call had already completed learn of the refusal through the agreement)
 # (a first call that had already finished on every rank leaves the buffer free: then both run, in turn)
