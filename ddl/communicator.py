@@ -65,10 +65,10 @@ from .buffers import IN_PLACE, is_in_place, like_input, parse_buffer, torch_bflo
 from .gpu import check_settings as check_gpu_settings
 from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
-from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere
+from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere, plan_settings
 from .ops import LOGICAL, SUM, check_op_dtype, divided, divides_first, finish_average, resolve_op
 from .schedule import Schedule
-from .settings import env_flag, env_float, env_int, named_by_env
+from .settings import env_flag, env_float, env_int, env_word, named_by_env
 from .units import counted, message_size, whole_number
 
 __all__ = ["Communicator", "Request", "IN_PLACE"]
@@ -143,8 +143,16 @@ class Request:
 
     @staticmethod
     def Waitall(requests, statuses=None):
+        """Wait for every request, then raise the first one's error (in the list's order), if any: as
+        MPI_Waitall, none is left pending because an earlier one failed."""
+        first = None
         for r in requests:
-            r.Wait()
+            try:
+                r.Wait()
+            except Exception as exc:
+                first = exc if first is None else first
+        if first is not None:
+            raise first
         return True
 
     @staticmethod
@@ -179,12 +187,23 @@ def _inline_input(layout, send, recv, count, itemsize, root, rank, size, limit):
 
 def _functional(array):
     """``(input, output, result)`` of the functional API: a C-ordered input array, a new output of its
-    shape, and what returns the result (a scalar for a scalar). Element-wise, unlike the buffer API,
+    shape, and what returns the result (see :func:`_returned`). Element-wise, unlike the buffer API,
     which reduces memory as it lies: a Fortran-ordered array on one rank and a C-ordered one on
     another must still meet element by element."""
     arr = _numbers(array, "allreduce")
     out = np.empty(arr.shape, arr.dtype)
-    return arr, out, (out.item if np.isscalar(array) else lambda: like_input(out, array))
+    return arr, out, lambda: _returned(out, array)
+
+
+def _returned(out, given):
+    """The functional API's result ``out`` (a numpy array) in the kind of ``given``: a Python scalar for
+    a Python scalar, a numpy scalar of its dtype for a numpy scalar, a tensor for a tensor, else the
+    array."""
+    if isinstance(given, (bool, int, float, complex)):
+        return out.item()
+    if isinstance(given, np.generic):
+        return out[()]
+    return like_input(out, given)
 
 
 def _array_text(a):
@@ -202,12 +221,20 @@ def _array_list(arrays, most=8):
 def _numbers(array, what):
     """``array`` as a C-ordered numpy array, or a :class:`ddl.Error` saying why it is none (a ragged
     list, say), rather than numpy's ValueError."""
+    if is_in_place(array):
+        raise Error(f"{what} takes the array itself and returns the result in a new one; IN_PLACE belongs to the "
+                    f"buffer API (comm.Allreduce(ddl.IN_PLACE, buf) reduces into buf)")
     try:
         arr = torch_bfloat16(array, what)
         if arr is None:
             arr = np.asarray(array)
     except (TypeError, ValueError, RuntimeError) as exc:   # RuntimeError: torch's (a tensor that requires grad)
         raise Error(f"{what}: the argument cannot be read as an array of numbers ({exc})") from None
+    if arr.dtype.hasobject:
+        big = any(isinstance(x, int) and not -2 ** 63 <= x < 2 ** 63 for x in arr.reshape(-1)[:1000])
+        raise Error(f"{what}: " + ("a Python int beyond int64's range (Python ints reduce as int64); pass an array "
+                                   "of a dtype that holds the values, or floats" if big else
+                                   "the argument holds objects that are not numbers (numpy reads it as dtype object)"))
     return arr if arr.flags.c_contiguous else arr.copy(order="C")   # (ascontiguousarray makes 0-d 1-d)
 
 
@@ -361,11 +388,10 @@ class Communicator:
     def _configure(self, check, algorithm, stall_warning, stall_timeout, topology, planner):
         """This rank's own settings, checked (no communication): sets the attributes they give and returns
         ``(stall settings, agreement, inline limit, scratch budget)`` for the collective set-up."""
-        source = "check"
         if check is None:
-            source, check = "environment variable DDL_CHECK", os.environ.get("DDL_CHECK", "always") or "always"
-        if check not in CHECK_MODES:
-            raise Error(f"{source} must be one of {', '.join(CHECK_MODES)}, got {check!r}")
+            check = env_word("DDL_CHECK", "always", CHECK_MODES)
+        elif check not in CHECK_MODES:
+            raise Error(f"check must be one of {', '.join(CHECK_MODES)}, got {check!r}")
         self.oversubscribed = env_flag("DDL_OVERSUBSCRIBED", None)    # (None: counted below, in __init__)
         self.check = check
         self.algorithm = algorithm = "auto" if algorithm is None else algorithm
@@ -393,9 +419,7 @@ class Communicator:
             raise Error(f"topology {self.topology.name!r}{where} has {counted(self.topology.nranks, 'rank')} but "
                         f"the communicator has {counted(self.size, 'rank')}: use a topology whose ranks: list has "
                         f"one entry per process, or launch {counted(self.topology.nranks, 'process', 'processes')}")
-        agreement = os.environ.get("DDL_AGREEMENT") or "auto"      # (set but empty: the default, as DDL_CHECK)
-        if agreement not in ("auto", "shm", "mpi"):
-            raise Error(f"DDL_AGREEMENT must be auto, shm or mpi, got {agreement!r}")
+        agreement = env_word("DDL_AGREEMENT", "auto", ("auto", "shm", "mpi"))
         limit = ShmBoard.inline_limit(self.size)
         inline = env_int("DDL_INLINE_BYTES", limit)
         if not 0 <= inline <= limit:
@@ -405,6 +429,7 @@ class Communicator:
         if scratch_bytes < 0:
             raise Error(f"DDL_SCRATCH_BYTES must be zero or more bytes, got {scratch_bytes}")
         check_gpu_settings()   # read later, at the first device call: a typo fails here, GPUs or not
+        plan_settings()        # read later, as plans are compiled: likewise
         self._planner = planner
         self._topology_digest = digest62(self.topology.fingerprint if self.topology is not None
                                          else f"flat-{self.size}")
@@ -939,10 +964,10 @@ class Communicator:
             for i in idx:
                 n = arrays[i].size
                 packed[off:off + n] = arrays[i].reshape(-1)
-                results[i] = like_input(packed[off:off + n].reshape(arrays[i].shape), given[i])
+                results[i] = packed[off:off + n].reshape(arrays[i].shape)
                 off += n
             reqs.append(self._allreduce_start(IN_PLACE, packed, op))
-        return _GroupRequest(reqs, self._engine, results)
+        return _GroupRequest(reqs, self._engine, lambda: [_returned(out, g) for out, g in zip(results, given)])
 
     # ---- lifetime ------------------------------------------------------------------------------
     @_one_thread
@@ -1023,7 +1048,7 @@ class _GroupRequest(Request):
 
     def wait(self):
         self.Wait()
-        return self._result
+        return self._result()
 
     @property
     def done(self):

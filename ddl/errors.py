@@ -35,4 +35,5 @@ class MismatchError(Error):
 
 
 class StallError(Error):
-    """A collective waited on its peers for longer than the stall limit."""
+    """A collective waited on its peers for longer than the stall limit, or a peer gave up on it (or on
+    an earlier one) with an error of its own: it cannot complete."""

@@ -182,7 +182,7 @@ class CompiledPlan:
         self.ufunc = ufunc
         isz = self.itemsize = np.dtype(dtype).itemsize
         if early_limit is None:
-            early_limit = env_int("DDL_EARLY_LIMIT", 256 * 1024)
+            early_limit = plan_settings()[0]
         n = schedule.nranks
         nchunks = schedule.nchunks
         # initial location and home of every chunk id (ddl.buffer_layout), with our buffer numbers
@@ -271,7 +271,7 @@ class CompiledPlan:
         self.nops = len(ops)
         self.max_chunk = schedule.nids
         # messages above MPI's eager size need both sides' progress (rendezvous): see Doorbell
-        large = env_int("DDL_LARGE_MESSAGE", 16 * 1024)
+        large = plan_settings()[1]
         self.large = any(o[12] - o[11] > large or o[14] - o[13] > large for o in ops)
         self.cache_views = count * isz <= _VIEW_CACHE_BYTES   # see Engine._views
 
@@ -351,6 +351,12 @@ class ScratchPool:
     def clear(self):
         self.free.clear()
         self.nbytes = 0
+
+
+def plan_settings():
+    """``(DDL_EARLY_LIMIT, DDL_LARGE_MESSAGE)`` in bytes: read as a plan is compiled, and when a
+    communicator is made, so that a typo fails there and then on every node."""
+    return env_int("DDL_EARLY_LIMIT", 256 * 1024, minimum=0), env_int("DDL_LARGE_MESSAGE", 16 * 1024, minimum=0)
 
 
 class Execution:
@@ -1126,27 +1132,41 @@ class Engine:
         watched = list(self.inflight.values()) or list(self.deferred)[:1]
         for ex in watched:
             stalled = now - ex.t_progress
+            if stalled >= self.stall_warning / 2:
+                self._send_status(ex)      # (once) so that the peers' warnings can say that this rank waits too
             if stalled >= self.stall_warning and not ex.warned:
                 ex.warned = True
-                self._send_status(ex)
                 sys.stderr.write(f"ddl WARNING: {self.describe_stall(ex, stalled)}\n")
                 sys.stderr.flush()
+            gone = self._gone(ex.seq)
+            if gone:
+                self._give_up(ex, StallError(self.describe_stall(ex, stalled, gone)))
             if stalled >= self.stall_timeout:
                 self._poll_status(now, force=True)
                 hint = ("" if ex.check or self.size == 1 else
                         " (this collective skipped the agreement check, check='new'/'off': ranks that called "
                         "different collectives look exactly like this; rerun with check='always' to find out)")
-                err = StallError(self.describe_stall(ex, stalled) + f" [stall_timeout {self.stall_timeout:g} s]" + hint)
-                err.seq = ex.seq
-                self.broken = f"StallError in collective #{ex.seq}"
-                self._send_status(ex, gave_up=True)
-                for other in list(self.inflight.values()):
-                    if other.state == "agreement" and self.board is not None:
-                        self.board.give_up(other.seq)   # a rank arriving later must not agree with us
-                    self._fail(other, err)
-                while self.deferred:
-                    self._fail(self.deferred.popleft(), err)
-                raise err
+                self._give_up(ex, StallError(self.describe_stall(ex, stalled)
+                                             + f" [stall_timeout {self.stall_timeout:g} s]" + hint))
+
+    def _gone(self, seq):
+        """The peers that gave up on (or failed in) ddl collective ``seq`` or an earlier one, as they told
+        this rank: their communicator is broken, so they take part in no collective from there on."""
+        return sorted(r for r, (s, code, _) in self._status.items() if code in (3, 4) and s <= seq)
+
+    def _give_up(self, ex, err):
+        """This rank gives up on ``ex`` with StallError ``err``: it tells the peers, fails every collective
+        in flight or deferred with ``err`` (the communicator is unusable from here) and raises it."""
+        err.seq = ex.seq
+        self.broken = f"StallError in collective #{ex.seq}"
+        self._send_status(ex, gave_up=True)
+        for other in list(self.inflight.values()):
+            if other.state == "agreement" and self.board is not None:
+                self.board.give_up(other.seq)   # a rank arriving later must not agree with us
+            self._fail(other, err)
+        while self.deferred:
+            self._fail(self.deferred.popleft(), err)
+        raise err
 
     def _send_status(self, ex, gave_up=False, failed=False):
         """Tell every peer "I am stuck in collective #seq" (or "I gave up on it", or "it failed here with
@@ -1174,21 +1194,25 @@ class Engine:
         if self._status_reqs:
             self._status_reqs = [r for r in self._status_reqs if not r.Test()]
 
-    def describe_stall(self, ex, stalled):
+    def describe_stall(self, ex, stalled, gone=()):
+        """Why ``ex`` is stuck, from this rank's view and the peers' status messages; ``gone``: the peers
+        that left the communicator (see :meth:`_gone`), for which this rank gives up without waiting."""
         from .agreement import format_ranks
-        head = (f"{ex.label} (ddl collective #{ex.seq}) on rank {self.rank} has made no progress for "
-                f"{stalled:.1f} s")
-        same, gave_up, failed, elsewhere, silent = [], [], [], [], []
+        head = (f"{ex.label} (ddl collective #{ex.seq}) on rank {self.rank} "
+                + ("cannot complete" if gone else f"has made no progress for {stalled:.1f} s"))
+        same, gave_up, failed, elsewhere, silent = [], {}, {}, [], []
         for r in range(self.size):
             if r == self.rank:
                 continue
             s = self._status.get(r)
             if s is None:
                 silent.append(r)
+            elif s[1] in (3, 4) and s[0] <= ex.seq:
+                (gave_up if s[1] == 3 else failed).setdefault(s[0], []).append(r)
             elif s[0] == ex.seq:
-                (gave_up if s[1] == 3 else failed if s[1] == 4 else same).append(r)
+                same.append(r)
             else:
-                elsewhere.append((r, s[0]))
+                elsewhere.append((r, s[0], s[1]))
         if ex.state == "agreement" and self.board is not None:
             missing = self.board.missing(ex.seq)
             latest = ", ".join(f"rank {r}: #{s}" if s >= 0 else f"rank {r}: none" for r, s in sorted(missing.items())[:8])
@@ -1211,13 +1235,16 @@ class Engine:
         notes = []
         if same:
             notes.append(f"{format_ranks(same)} {'is' if len(same) == 1 else 'are'} stuck in it too")
-        if gave_up:
-            notes.append(f"{format_ranks(gave_up)} gave up on it (StallError) and will not take part")
-        if failed:
-            notes.append(f"{format_ranks(failed)} failed in it with an error of {'its' if len(failed) == 1 else 'their'} "
-                         f"own and will not take part")
-        for r, seq in elsewhere:
-            notes.append(f"rank {r} is stuck in ddl collective #{seq}")
+        for seq, ranks in sorted(gave_up.items()):
+            notes.append(f"{format_ranks(ranks)} gave up on {'it' if seq == ex.seq else f'ddl collective #{seq}'} "
+                         f"(StallError) and will not take part" + ("" if seq == ex.seq else " in any later one"))
+        for seq, ranks in sorted(failed.items()):
+            notes.append(f"{format_ranks(ranks)} failed in {'it' if seq == ex.seq else f'ddl collective #{seq}'} with "
+                         f"an error of {'its' if len(ranks) == 1 else 'their'} own and will not take part"
+                         + ("" if seq == ex.seq else " in any later one"))
+        for r, seq, code in elsewhere:
+            notes.append(f"rank {r} " + ("gave up on" if code == 3 else "failed in" if code == 4 else "is stuck in")
+                         + f" ddl collective #{seq}")
         if silent and (ex.warned or ex.state == "agreement"):
             notes.append(f"no word from {format_ranks(silent)}: not in this collective, busy outside ddl "
                          f"(not calling Wait/Test), in another MPI call, or dead")
@@ -1225,6 +1252,8 @@ class Engine:
             notes.append("this call was not checked against the other ranks' (check='new' checks a signature "
                          "the first time a rank sees it, 'off' never): if they called with other arguments, "
                          "DDL_CHECK=always says which")
+        if gone:
+            notes.append("this communicator is unusable now: make a new one (Free lets go of this one at once)")
         return head + body + (". " + "; ".join(notes) if notes else "")
 
     def _pending_text(self, ex):

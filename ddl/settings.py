@@ -26,11 +26,19 @@ def env_float(name, default, minimum=None):
 
 
 def env_int(name, default, minimum=None):
-    """An integer setting (bytes, counts): a finite number, rounded down."""
+    """An integer setting (bytes, counts): a whole number (``65536``, ``64e3``), never one rounded."""
     number = env_float(name, default, minimum)
-    if not math.isfinite(number):
-        raise Error(f"environment variable {name}={os.environ.get(name)!r} must be a finite number")
+    if not math.isfinite(number) or number != int(number):
+        raise Error(f"environment variable {name}={os.environ.get(name)!r} must be a whole number")
     return int(number)
+
+
+def env_word(name, default, words):
+    """One of ``words`` (any case, spaces around it ignored); unset or empty: ``default``."""
+    value = (os.environ.get(name) or "").strip().lower() or default
+    if value not in words:
+        raise Error(f"environment variable {name} must be one of {', '.join(words)}, got {os.environ.get(name)!r}")
+    return value
 
 
 def _on_off(value):

@@ -6,7 +6,7 @@ from mpi_cases._launch import ROOT
 # read by ddl, set by ddl for the processes it launches: not settings for users
 SET_BY_DDL = {"DDL_EMULATED_CLUSTER", "DDL_EMULATED_HOSTS", "DDL_INTERRUPT_SAID_OUTSIDE"}
 
-READS = re.compile(r"""(?:env_(?:flag|float|int|auto_flag)\(|environ(?:\.get)?[(\[])\s*f?["'](DDL_\w+)["']""")
+READS = re.compile(r"""(?:env_(?:flag|float|int|word|auto_flag)\(|environ(?:\.get)?[(\[])\s*f?["'](DDL_\w+)["']""")
 
 
 def _table_variables():

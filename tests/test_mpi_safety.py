@@ -66,6 +66,25 @@ def test_stall_watchdog_names_the_sleeping_rank(agreement):
             assert "NOSTALL7 rank 2" in out, out[-4000:]
             assert "not started: rank 2 has not finished ddl collective #0, whose slot on the shared agreement " \
                    "board this one takes" in line.group(2), line.group(2)
+    # a rank that waits only after the others gave up ends at once, and so does its next call: told that they gave
+    # up, it does not wait a stall_timeout for them (it did; and when all it needed had arrived before they gave up,
+    # its call completed and the next one waited the timeout, calling them "stuck" in the call they had left)
+    for rank in range(n - 1):
+        line = re.search(rf"STALL8 rank {rank} after ([\d.]+)s: .*no word from rank 2", out)
+        assert line and float(line.group(1)) < 2.9, out[-4000:]
+    wait = re.search(r"LATE8 rank 2 wait (ok|after 0\.[0-4]s: StallError: .*cannot complete.*ranks 0, 1 gave up on it "
+                     r"\(StallError\) and will not take part; this communicator is unusable now)", out)
+    assert wait, out[-4000:]
+    later = (r"StallError: .*ranks 0, 1 gave up on ddl collective #0 \(StallError\) and will not take part in any "
+             r"later one" if wait.group(1) == "ok" else "Error: this ddl communicator is unusable after an earlier failure")
+    assert re.search(rf"LATE8 rank 2 next after 0\.[0-4]s: {later}", out), out[-4000:]
+    # the first warning of a waiting rank does not count a rank that waits in the same collective as silent (every
+    # waiting rank once heard from no one before its own warning): scenario 2, check="off", says "not checked"
+    for rank in range(n - 1):
+        other = 1 - rank
+        warning = re.search(rf"ddl WARNING: .*on rank {rank} has made no progress.*this call was not checked.*", out)
+        assert warning and f"rank {other} is stuck in it too" in warning.group(0) and \
+            "no word from ranks" not in warning.group(0), out[-4000:]
     # Free is collective, and no rank hangs in MPI's frees (the last rank once did, for ever): freeing where the
     # others call Allreduce is a mismatch on every rank at once; the rank that freed is gone, so the others'
     # communicator is unusable (they once waited stall_timeout in their own Free for it) and their Free lets go

@@ -379,16 +379,62 @@ def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
 
 
 @pytest.mark.parametrize("value,says", [("nan", "is not a number"), ("abc", "is not a number"),
-                                        ("inf", "must be a finite number"), ("-inf", "must be a finite number")])
-def test_integer_settings_refuse_what_is_not_a_finite_number(monkeypatch, value, says):
+                                        ("inf", "must be a whole number"), ("-inf", "must be a whole number"),
+                                        ("4096.9", "must be a whole number"), ("0.5", "must be a whole number")])
+def test_integer_settings_refuse_what_is_not_a_whole_number(monkeypatch, value, says):
     from ddl.settings import env_float, env_int
     monkeypatch.setenv("DDL_EARLY_LIMIT", value)
     with pytest.raises(ddl.Error, match=f"DDL_EARLY_LIMIT={value!r} {says}"):
         env_int("DDL_EARLY_LIMIT", 7)
-    monkeypatch.setenv("DDL_EARLY_LIMIT", "4096.9")
-    assert env_int("DDL_EARLY_LIMIT", 7) == 4096
+    for written, number in (("4096", 4096), ("4e3", 4000), (" 12.0 ", 12)):
+        monkeypatch.setenv("DDL_EARLY_LIMIT", written)
+        assert env_int("DDL_EARLY_LIMIT", 7) == number
     monkeypatch.setenv("DDL_EARLY_LIMIT", "inf")
     assert env_float("DDL_EARLY_LIMIT", 7) == float("inf")      # where inf means "never" (stall settings)
+
+
+def test_a_rank_gives_up_at_once_on_peers_that_gave_up_on_this_or_an_earlier_collective():
+    from types import SimpleNamespace
+    from ddl.executor import Engine
+    status = {0: (3, 3, 0.0), 1: (3, 3, 0.0), 3: (4, 1, 0.0), 4: (5, 4, 0.0)}    # rank: (seq, code, when)
+    eng = SimpleNamespace(rank=2, size=5, board=None, _status=status)
+    assert Engine._gone(eng, 2) == [] and Engine._gone(eng, 3) == [0, 1] and Engine._gone(eng, 5) == [0, 1, 4]
+    ex = SimpleNamespace(label="Allreduce(4 x float64, SUM)", seq=4, state="agreement", check=True, plan=None,
+                         warned=True)
+    text = Engine.describe_stall(eng, ex, 0.1, Engine._gone(eng, 4))
+    assert text.startswith("Allreduce(4 x float64, SUM) (ddl collective #4) on rank 2 cannot complete; waiting in the")
+    assert "ranks 0, 1 gave up on ddl collective #3 (StallError) and will not take part in any later one" in text
+    assert "rank 3 is stuck in it too" in text and "rank 4 failed in ddl collective #5" in text, text
+    assert text.endswith("this communicator is unusable now: make a new one (Free lets go of this one at once)")
+    status[0] = (4, 3, 0.0)
+    text = Engine.describe_stall(eng, ex, 0.1, [0, 1])
+    assert "rank 1 gave up on ddl collective #3 (StallError) and will not take part in any later one; rank 0 gave up " \
+           "on it (StallError) and will not take part;" in text, text
+
+
+def test_word_settings_take_any_case_and_refuse_other_words(monkeypatch):
+    from ddl.settings import env_word
+    for written, word in (("OFF", "off"), (" New", "new"), ("", "always")):
+        monkeypatch.setenv("DDL_CHECK", written)
+        assert env_word("DDL_CHECK", "always", ("always", "new", "off")) == word
+    monkeypatch.setenv("DDL_CHECK", "sometimes")
+    with pytest.raises(ddl.Error, match="environment variable DDL_CHECK must be one of always, new, off, got 'sometimes'"):
+        env_word("DDL_CHECK", "always", ("always", "new", "off"))
+
+
+def test_the_functional_api_returns_results_of_the_kind_given_and_refuses_what_it_cannot_reduce():
+    from ddl.communicator import _numbers, _returned
+    out = np.array(6.0)
+    assert type(_returned(out, 2.0)) is float and type(_returned(np.array(6), 2)) is int
+    assert type(_returned(np.array(True), True)) is bool
+    assert _returned(np.array(6.0, np.float32), np.float32(2)).dtype == np.float32        # a numpy scalar stays one
+    assert isinstance(_returned(np.ones(2), [1.0, 1.0]), np.ndarray)
+    with pytest.raises(ddl.Error, match="a Python int beyond int64's range"):
+        _numbers(2 ** 70, "allreduce")
+    with pytest.raises(ddl.Error, match="objects that are not numbers"):
+        _numbers([None, 1], "allreduce")
+    with pytest.raises(ddl.Error, match=r"IN_PLACE belongs to the buffer API \(comm.Allreduce\(ddl.IN_PLACE, buf\)"):
+        _numbers(ddl.IN_PLACE, "allreduce")
 
 
 def test_on_off_settings_take_the_usual_words_and_refuse_others(monkeypatch):

@@ -309,6 +309,19 @@ expect(ddl.MismatchError, lambda: comm.Allreduce(ddl.IN_PLACE, np.ones(6)) if r 
        label="the functional call against the buffer API's")
 chk.ok(np.array_equal(comm.allreduce(np.full((2, 3), r + 1.0)), np.full((2, 3), p * (p + 1) / 2)),
        "allreduce of one shape everywhere, after the mismatches")
+# grouped results are of the kind given, as allreduce's: a Python scalar for a Python one (it gave 0-d arrays)
+outs = comm.grouped_allreduce([np.ones(2), 5, np.float32(1.5), [1, 2]])
+chk.ok(type(outs[0]) is np.ndarray and type(outs[1]) is int and outs[1] == 5 * p and type(outs[2]) is np.float32
+       and type(outs[3]) is np.ndarray and outs[3].tolist() == [p, 2 * p], f"grouped results' kinds: {outs!r}")
+chk.ok(type(comm.allreduce(5)) is int and type(comm.iallreduce(np.float32(1)).wait()) is np.float32,
+       "allreduce of scalars gives scalars of their kind")
+# Waitall waits for every request before it raises the first error (it left the ones after a failure pending)
+parts = [np.full(3, r + 1.0), np.ones(4 if r != last else 5), np.full(3, r + 1.0)]
+reqs = [comm.Iallreduce(ddl.IN_PLACE, a) for a in parts]
+expect(ddl.MismatchError, lambda: ddl.Request.Waitall(reqs), f"rank {last} called Allreduce with 5 float64",
+       label="Waitall with a mismatch in the middle")
+chk.ok(all(q.done for q in reqs) and np.all(parts[2] == p * (p + 1) / 2), "Waitall completed every request")
+still_works("Waitall with a mismatch in the middle")
 # one buffer in two calls in flight (MPI forbids it; it gave garbage): refused, and every rank raises (those
 # whose first call had already completed learn of the refusal through the agreement)
 # (a first call that had already finished on every rank leaves the buffer free: then both run, in turn)
@@ -581,6 +594,11 @@ expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check mus
 os.environ["DDL_CHECK"] = "bogus"
 expect(ddl.Error, lambda: ddl.Communicator(WORLD), "environment variable DDL_CHECK must be one of always, new, off, "
        "got 'bogus'", label="bad DDL_CHECK")
+for word in ("OFF", " New "):           # words in any case, spaces around them ignored
+    os.environ["DDL_CHECK"] = word
+    cw = ddl.Communicator(WORLD)
+    chk.ok(cw.check == word.strip().lower(), f"DDL_CHECK={word!r}: check {cw.check!r}")
+    cw.Free()
 os.environ["DDL_OVERSUBSCRIBED"] = "maybe"
 del os.environ["DDL_CHECK"]
 expect(ddl.Error, lambda: ddl.Communicator(WORLD), "DDL_OVERSUBSCRIBED='maybe' is neither on", label="bad DDL_OVERSUBSCRIBED")
@@ -588,7 +606,9 @@ del os.environ["DDL_OVERSUBSCRIBED"]
 # settings that only some nodes or jobs use are read on every one: a typo fails wherever the job runs
 for name, value, says in (("DDL_TIMERSLACK", "x", "is neither on"), ("DDL_SPIN", "-3", "must be at least 0"),
                           ("DDL_IDLE_NAP", "-1", "must be at least 0"), ("DDL_GPU_PATH", "x", "must be auto, nccl"),
-                          ("DDL_GPU_VERBOSE", "x", "is neither on"), ("DDL_CUDA_AWARE_MPI", "x", "is neither on")):
+                          ("DDL_GPU_VERBOSE", "x", "is neither on"), ("DDL_CUDA_AWARE_MPI", "x", "is neither on"),
+                          ("DDL_LARGE_MESSAGE", "-5", "must be at least 0"), ("DDL_EARLY_LIMIT", "1e5x", "not a number"),
+                          ("DDL_INLINE_BYTES", "1.5", "must be a whole number"), ("DDL_AGREEMENT", "both", "must be one of")):
     os.environ.update({name: value, "DDL_OVERSUBSCRIBED": "0"})
     expect(ddl.Error, lambda: ddl.Communicator(WORLD), name, says, label=f"bad {name}, on a node not oversubscribed")
     del os.environ[name], os.environ["DDL_OVERSUBSCRIBED"]

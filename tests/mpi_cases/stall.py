@@ -15,6 +15,9 @@ gave up on it; see :func:`freeing`.
 Scenario 7 (a post that must wait): the last rank posts as many nonblocking calls as the board has
 payload slots and sleeps without driving them; the others post one more, which cannot start until the
 last rank is done with the first slot, and wait: its StallError names the rank holding the slot.
+Scenario 8 (a late wait): every rank posts an Iallreduce; the last one sleeps past the others' stall
+timeout before it waits. Once it learns that they gave up, its wait and its next call end at once (they
+once waited a whole stall_timeout each, and the next call's message called the others stuck).
 Every rank prints one line per scenario: ``STALL<k> rank <r>: <message>`` (or ``NOSTALL<k>``).
 """
 import os
@@ -92,6 +95,21 @@ def failing_reduction(comm, buf):
         print(f"REFUSED4 rank {RANK} after {time.monotonic() - t0:.1f}s: {exc}", flush=True)
 
 
+def late_wait(comm, buf):
+    big = np.ones(1 << 19, np.float32)       # above the inline limit: the others wait for this rank's messages
+    req = comm.Iallreduce(ddl.IN_PLACE, big)
+    time.sleep(SLEEP)
+    for what, call in (("wait", req.Wait), ("next", lambda: comm.Allreduce(ddl.IN_PLACE, buf))):
+        t0 = time.monotonic()
+        try:
+            call()
+            print(f"LATE8 rank {RANK} {what} ok", flush=True)
+        except ddl.Error as exc:
+            print(f"LATE8 rank {RANK} {what} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {exc}",
+                  flush=True)
+    raise ddl.StallError("(the late rank's outcome is in its LATE8 lines)")
+
+
 def post_then_sleep(comm, buf, calls=None):
     from ddl.agreement import ShmBoard
     if calls is None:
@@ -138,6 +156,7 @@ scenario(2, "off", start_then_sleep)
 scenario(3, "always", sleep_longer_then_call, poll_with_compute, warn=1.5, timeout=2.5)
 scenario(4, "always", failing_reduction, lambda comm, buf: comm.Allreduce(ddl.IN_PLACE, np.ones(1 << 19, np.float32)))
 scenario(7, "always", post_then_sleep, post_one_more)
+scenario(8, "always", late_wait, lambda comm, buf: comm.Iallreduce(ddl.IN_PLACE, np.ones(1 << 19, np.float32)).Wait())
 freeing(5, last_sleeps=False)
 freeing(6, last_sleeps=True)
 WORLD.Barrier()
