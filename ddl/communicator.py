@@ -67,7 +67,7 @@ from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere, plan_settings
 from .ops import LOGICAL, SUM, check_op_dtype, divided, divides_first, finish_average, resolve_op
-from .schedule import Schedule
+from .schedule import COLLECTIVES, Schedule
 from .settings import env_flag, env_float, env_int, env_word, named_by_env
 from .units import counted, message_size, whole_number
 
@@ -163,6 +163,7 @@ class Request:
         return f"<ddl.Request {self._ex.label} #{self._ex.seq} {'done' if self._ex.done else self._ex.state}>"
 
 
+_COLLECTIVE_ALIASES = {"reduce_scatter_block": "reduce_scatter", "bcast": "broadcast"}   # (lower case)
 _LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce",
                       "reduce_scatter": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
                       "allgather": "allgather", "allgather_inplace": "allgather", "broadcast": "broadcast"}
@@ -515,6 +516,17 @@ class Communicator:
         self._schedule_digests[id(sched)] = (sched, digest)
         return digest
 
+    @staticmethod
+    def _collective(name):
+        """The planner's name of a collective given by it or by its method's (``"Bcast"``,
+        ``"reduce_scatter_block"``), in any case; ddl.Error naming the choices for any other."""
+        key = str(name).lower()
+        canonical = _COLLECTIVE_ALIASES.get(key, key)
+        if canonical not in COLLECTIVES:
+            raise Error(f"collective must be one of {', '.join(COLLECTIVES)} (or a method's name: Allreduce, "
+                        f"Reduce_scatter_block, Allgather, Bcast), got {name!r}")
+        return canonical
+
     def plan(self, nbytes_or_buffer, collective="allreduce", root=0):
         """The :class:`~ddl.schedule.Schedule` that would run for this size (bytes) or buffer.
 
@@ -523,7 +535,7 @@ class Communicator:
         result from all of them, reducing in rank order. ``inline_bytes`` is ``min(1 MiB, 2 MiB /
         ranks)`` (env ``DDL_INLINE_BYTES``, 0 turns it off) with ``algorithm="auto"`` and ddl's planner
         when all ranks share a node and the check is ``"always"``, else 0.)"""
-        return self._schedule(collective, _size_of(nbytes_or_buffer), root)
+        return self._schedule(self._collective(collective), _size_of(nbytes_or_buffer), root)
 
     def explain(self, nbytes_or_buffer, collective="allreduce", root=0):
         """The planner's full :class:`ddl.planner.Plan` (prediction, bound, alternatives; printed, a
@@ -531,6 +543,7 @@ class Communicator:
         its size class, is evaluated as it is."""
         planner = self.planner
         explain = getattr(planner, "explain", planner.plan)      # (a foreign planner may have plan() only)
+        collective = self._collective(collective)
         return explain(collective, _size_of(nbytes_or_buffer), self._algorithm_of(collective), root)
 
     def _pinned(self, collective, root):

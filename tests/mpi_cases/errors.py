@@ -369,6 +369,11 @@ chk.ok(np.array_equal(res, p * np.arange(6.0).reshape(2, 3)), f"allreduce of a F
 chk.ok(repr(comm.grouped_iallreduce([])).startswith("<ddl.Request grouped_allreduce of 0"), "repr of an empty group")
 chk.ok(comm.plan("64KiB").nranks == p and comm.explain("64KiB").nbytes == 65536, "plan / explain of a size string")
 expect(ddl.Error, lambda: comm.plan(-5), "non-negative", label="plan of a negative size")
+# a collective named as its method is (Bcast, Reduce_scatter_block), in any case, plans as the planner's name does
+chk.ok(comm.plan("64KiB", "Bcast", root=last) == comm.plan("64KiB", "broadcast", root=last)
+       and comm.explain("64KiB", "REDUCE_SCATTER_BLOCK").collective == "reduce_scatter", "plan of a method's name")
+expect(ddl.Error, lambda: comm.plan("64KiB", "alltoall"), "collective must be one of allreduce, reduce_scatter",
+       "'alltoall'", label="plan of an unknown collective")
 expect(ddl.Error, lambda: comm.explain("a lot"), "cannot parse size", label="explain of an unreadable size")
 report = comm.explain(np.ones(1 << 14, np.float32))          # a buffer, as comm.plan takes one
 chk.ok(report.nbytes == 65536 and report.schedule == comm.plan("64KiB"), "explain of a buffer")
