@@ -96,6 +96,37 @@ def _dtype_name(w0, w1):
     return raw.rstrip(b"\x00").decode(errors="replace") or "?"
 
 
+_DIM_BITS = 20      # a shape word holds up to 3 dimensions of up to 2**20 - 1 each ...
+_DIGESTED = 7       # ... else a digest of the shape, marked by this in its low 3 bits (see shape_word)
+
+
+def shape_word(shape):
+    """The signature's non-zero word for an array ``shape``: the shape itself where it has at most 3
+    dimensions, each under 2**20 (low 3 bits: 1 + the number of dimensions, then 20 bits a dimension),
+    so that a mismatch can print every rank's shape; else a digest of it (low bits :data:`_DIGESTED`)."""
+    if len(shape) <= 3 and all(d < 1 << _DIM_BITS for d in shape):
+        word = len(shape) + 1
+        for i, d in enumerate(shape):
+            word |= int(d) << (3 + _DIM_BITS * i)
+        return word
+    return (digest62("shape", *shape) >> 3) << 3 | _DIGESTED
+
+
+def shape_shown(shape):
+    """Whether a mismatch message prints ``shape`` itself (else only a tag: see :func:`shape_word`)."""
+    return shape_word(shape) & 7 != _DIGESTED
+
+
+def _shape_text(word, dtype_name):
+    """``float64[2, 3]`` for a shape word (see :func:`shape_word`); ``float64, shape #1a2b3c`` for a
+    digested one (the same tag for the same shape)."""
+    tag = word & 7
+    if tag == _DIGESTED:
+        return f"{dtype_name}, shape #{word >> 40:06x}"
+    dims = [(word >> (3 + _DIM_BITS * i)) & ((1 << _DIM_BITS) - 1) for i in range(tag - 1)]
+    return f"{dtype_name}[{', '.join(map(str, dims))}]" if dims else f"{dtype_name} scalar"
+
+
 class Signature:
     """What one rank is about to run; ``base`` hashes everything but the sequence number."""
 
@@ -130,7 +161,7 @@ class Signature:
         with the buffer API's ``Allreduce`` (whose word is 0) in one collective."""
         sig = copy.copy(self)
         sig.vector = self.vector.copy()
-        sig.vector[_SHAPE] = digest62("shape", *shape) or 1
+        sig.vector[_SHAPE] = shape_word(shape)
         sig.base = digest62(*sig.vector[1:].tolist())
         return sig
 
@@ -252,8 +283,9 @@ def describe(vec, several=False):
         return (f"grouped_allreduce of {int(vec[_ITEMSIZE])} arrays, {int(vec[_COUNT])} elements in "
                 f"{counted(ndtypes, 'dtype')} ({op_from_code(vec[_OP]).name})")
     name = COLLECTIVE_NAMES.get(int(vec[_COLL]), f"collective {int(vec[_COLL])}")
-    if int(vec[_SHAPE]):
-        name = "allreduce"          # the functional call (see Signature.shaped)
+    if int(vec[_SHAPE]):            # the functional call (see Signature.shaped): its array's dtype and shape
+        return (f"allreduce of {_shape_text(int(vec[_SHAPE]), _dtype_name(vec[_DT0], vec[_DT1]))} "
+                f"({op_from_code(vec[_OP]).name})")
     if int(vec[_COLL]) in (COLLECTIVE_CODES["barrier"], COLLECTIVE_CODES["free"]):
         return name
     text = f"{name} with {int(vec[_COUNT])} {_dtype_name(vec[_DT0], vec[_DT1])}"

@@ -60,7 +60,7 @@ import weakref
 import numpy as np
 
 from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, device_start, digest62, format_ranks, grouped,
-                        refusal)
+                        refusal, shape_shown)
 from .buffers import IN_PLACE, is_in_place, like_input, parse_buffer, torch_bfloat16
 from .gpu import check_settings as check_gpu_settings
 from .gpu.buffers import is_device_buffer
@@ -931,8 +931,10 @@ class Communicator:
                        result)
 
     def _noting_array(self, ex, arr):
-        """``ex``, whose MismatchError (if the ranks disagree) ends by saying what this rank passed: the
-        ranks compared only digests of their shapes."""
+        """``ex``, whose MismatchError (if the ranks disagree) ends by saying what this rank passed where
+        the message shows only a tag of its shape (more than 3 dimensions, or one of 2**20 or more)."""
+        if shape_shown(arr.shape):
+            return ex
         before = ex.on_error
 
         def on_error(ex):

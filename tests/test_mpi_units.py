@@ -4,6 +4,8 @@ import subprocess
 from pathlib import Path
 import sys
 
+import re
+
 import numpy as np
 import pytest
 
@@ -237,18 +239,34 @@ def test_the_functional_allreduce_agrees_on_shapes_and_names_what_differs():
     assert len({plain.hash(5), wide.hash(5), tall.hash(5), plain.shaped((6,)).hash(5)}) == 4
     assert plain.shaped((2, 3)).hash(5) == wide.hash(5) and plain.shaped(()).hash(5) != plain.shaped((1,)).hash(5)
     assert plain.vector[-1] == 0 and describe(plain.vector).startswith("Allreduce with 6 float64")
-    assert describe(wide.vector) == "allreduce with 6 float64 (SUM)"
+    assert describe(wide.vector) == "allreduce of float64[2, 3] (SUM)"
+    assert describe(plain.shaped(()).vector) == "allreduce of float64 scalar (SUM)"
     text = str(mismatch_error([wide.with_seq(5), tall.with_seq(5), wide.with_seq(5)], 5, rank=1))
-    assert "rank 1 called allreduce with 6 float64 (SUM); ranks 0, 2 called allreduce with 6 float64 (SUM) " \
+    assert "rank 1 called allreduce of float64[3, 2] (SUM); ranks 0, 2 called allreduce of float64[2, 3] (SUM) " \
            "[differs in: array shape]" in text, text
     text = str(mismatch_error([plain.with_seq(5), wide.with_seq(5)], 5, rank=1))
-    assert "rank 0 called Allreduce with 6 float64 (SUM); rank 1 called allreduce with 6 float64 (SUM) [differs in: " \
+    assert "rank 0 called Allreduce with 6 float64 (SUM); rank 1 called allreduce of float64[2, 3] (SUM) [differs in: " \
            "collective (the functional allreduce, which compares array shapes, against the buffer API's Allreduce)]" \
            in text, text
     # a count that differs too is named with the shape, and the schedule word stays out of it
     other = Signature("allreduce", 8, np.dtype(np.float64), ddl.SUM, 0, 12, 22).shaped((2, 4))
     text = str(mismatch_error([wide.with_seq(5), other.with_seq(5)], 5, rank=0))
     assert "[differs in: count, array shape]" in text, text
+
+
+def test_shapes_are_shown_where_a_word_holds_them_and_tagged_where_not():
+    from ddl.agreement import shape_shown, shape_word
+    for shape in ((), (1,), (2, 3), ((1 << 20) - 1, 1, 7)):
+        assert shape_shown(shape) and 0 < shape_word(shape) < 2 ** 63
+        plain = Signature("allreduce", int(np.prod(shape)), np.dtype(np.int32), ddl.MAX, 0, 11, 22)
+        shown = f"int32[{', '.join(map(str, shape))}]" if shape else "int32 scalar"
+        assert describe(plain.shaped(shape).vector) == f"allreduce of {shown} (MAX)"
+    big, deep = (1 << 20,), (2, 3, 4, 5)
+    assert not shape_shown(big) and not shape_shown(deep) and shape_word(big) != shape_word(deep)
+    plain = Signature("allreduce", 120, np.dtype(np.float32), ddl.SUM, 0, 11, 22)
+    tag = describe(plain.shaped(deep).vector)
+    assert re.fullmatch(r"allreduce of float32, shape #[0-9a-f]{6} \(SUM\)", tag), tag
+    assert tag == describe(plain.shaped((2, 3, 4, 5)).vector) != describe(plain.shaped((5, 4, 3, 2)).vector)
 
 
 def test_scratch_is_reused_per_plan_and_bounded_in_bytes_over_all_plans():
