@@ -92,6 +92,21 @@ def test_show_names_the_direct_link_bound():
     assert "busbw <= 156 GB/s" in allreduce[0] and "direct link over it alone" in allreduce[0]
 
 
+    assert "ranks 0-7: 162 GB/s out, 162 GB/s in, 7 links (out: 150 GB/s to gpu, 12 GB/s to pcie)" in proc.stdout
+
+
+def test_show_counts_only_the_links_a_fragment_can_use(tmp_path):
+    """GPUs {0, 1, 4, 5} of a DGX-1: the NVLinks to the other four GPUs carry nothing (a GPU outside the job
+    forwards no data), so gpu0 has 100 GB/s of NVLink, gpu1 75 GB/s (it once showed 150 GB/s for every one)."""
+    text = (ZOO / "dgx1-v100.yaml").read_text()
+    fragment = tmp_path / "fragment.yaml"
+    fragment.write_text(text.split("\nranks:")[0] + "\nranks: [dgx1/gpu0, dgx1/gpu1, dgx1/gpu4, dgx1/gpu5]\n")
+    proc = ddl("topo", "show", fragment)
+    assert proc.returncode == 0, proc.stderr
+    assert "to vertices that can carry the job's traffic" in proc.stdout, proc.stdout
+    assert "ranks 0,2: 112 GB/s out, 112 GB/s in, 5 links (out: 100 GB/s to gpu, 12 GB/s to pcie)" in proc.stdout
+    assert "ranks 1,3: 87 GB/s out, 87 GB/s in, 4 links (out: 75 GB/s to gpu, 12 GB/s to pcie)" in proc.stdout
+
 
 def test_show_gives_reduce_scatter_its_own_cut_where_links_differ_by_direction(tmp_path):
     # GPUs 1-3 send to GPU 0 at 10 GB/s and hear from it at 1 GB/s: allgather is held by what leaves

@@ -147,6 +147,12 @@ def _timeline(topo, plan):
     return out
 
 
+def _times(ratio):
+    """``1.27x``; ``1.003x`` where two decimals would print a lead the report's "why" names (0.3%) as
+    ``1.00x``."""
+    return f"{ratio:.3f}x" if 1.0005 <= ratio < 1.005 else f"{ratio:.2f}x"
+
+
 def _strip(profile):
     """One character per slice, from idle (blank) to full (@)."""
     return "".join(map(_glyph, profile))
@@ -217,7 +223,8 @@ def _explain(topo, plan, r):
     """The text form of ``r``, the plan's :func:`_record` (with its timeline, when asked for)."""
     timeline = r.get("timeline")
     lines = [
-        f"topology    {topo.name} ({counted(topo.nranks, 'rank')}, {counted(len(topo.hosts), 'host')})",
+        f"topology    {topo.name} ({counted(topo.nranks, 'rank')}"
+        + (f", {counted(len(topo.hosts), 'host')})" if topo.hosts else ")"),
         f"collective  {_what(r)}",
         f"algorithm   {plan.algorithm}",
         f"why         {plan.reason}",
@@ -254,11 +261,11 @@ def _explain(topo, plan, r):
     elif r["cache_problem"]:
         lines.append(f"not cached  {r['cache_problem']}\n            (a job's ranks plan this size class themselves)")
     for name, secs in sorted(plan.baselines.items(), key=lambda kv: kv[1]):
-        ratio = f"{secs / plan.predicted_seconds:.2f}x the chosen time" if plan.predicted_seconds else "nothing to move"
+        ratio = f"{_times(secs / plan.predicted_seconds)} the chosen time" if plan.predicted_seconds else "nothing to move"
         lines.append(f"  vs {name:<22} {format_seconds(secs):>10}   ({ratio})")
     for name, secs in sorted(plan.outpaced.items(), key=lambda kv: kv[1]):
         ratio = secs / plan.predicted_seconds if plan.predicted_seconds else float("nan")
-        lines.append(f"  vs {name:<22} >{format_seconds(secs):>9}   (>{ratio:.2f}x: stopped once it could not win)")
+        lines.append(f"  vs {name:<22} >{format_seconds(secs):>9}   (>{_times(ratio)}: stopped once it could not win)")
     for name, why in plan.skipped.items():
         lines.append(f"  not planned: {name} ({why})")
     if plan.busiest:

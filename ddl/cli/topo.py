@@ -227,14 +227,17 @@ def describe(topo):
         rate = format_bandwidth(tier.bandwidth) if math.isfinite(tier.bandwidth) else "-"   # (one rank: no link)
         lines.append(f"  {k}: {rate:>11}  {_group_sizes(groups)}{detail}")
 
-    lines.append("rank links (sum of link bandwidth per direction at the rank's vertex):")
+    g = topo.usable_graph()                  # (a GPU outside the job forwards nothing: its links are left out)
+    unusable = topo.graph.number_of_nodes() - g.number_of_nodes()
+    lines.append("rank links (sum of link bandwidth per direction at the rank's vertex"
+                 + (", to vertices that can carry the job's traffic" if unusable else "") + "):")
     summary = OrderedDict()
-    g = topo.graph
     links_at = Counter()                      # (one pass over the links, not one per rank)
     for link in topo.links:
-        links_at[link.a] += link.count
-        if link.b != link.a:
-            links_at[link.b] += link.count
+        if link.a in g and link.b in g:
+            links_at[link.a] += link.count
+            if link.b != link.a:
+                links_at[link.b] += link.count
     for i, v in enumerate(topo.ranks):
         out_bw = sum(g.edges[v, u]["capacity"] for u in g.successors(v))
         in_bw = sum(g.edges[u, v]["capacity"] for u in g.predecessors(v))
