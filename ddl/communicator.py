@@ -67,7 +67,7 @@ from .gpu.buffers import is_device_buffer
 from .errors import Error, MismatchError, PlanError, StallError
 from .executor import _ENGINES, SCRATCH_BYTES, CompiledPlan, Engine, Execution, in_flight_everywhere, plan_settings
 from .ops import LOGICAL, SUM, check_op_dtype, divided, divides_first, finish_average, resolve_op
-from .schedule import COLLECTIVES, Schedule
+from .schedule import COLLECTIVES, Schedule, collective_name
 from .settings import env_flag, env_float, env_int, env_word, named_by_env
 from .units import counted, message_size, whole_number
 
@@ -163,7 +163,6 @@ class Request:
         return f"<ddl.Request {self._ex.label} #{self._ex.seq} {'done' if self._ex.done else self._ex.state}>"
 
 
-_COLLECTIVE_ALIASES = {"reduce_scatter_block": "reduce_scatter", "bcast": "broadcast"}   # (lower case)
 _LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce",
                       "reduce_scatter": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
                       "allgather": "allgather", "allgather_inplace": "allgather", "broadcast": "broadcast"}
@@ -520,8 +519,7 @@ class Communicator:
     def _collective(name):
         """The planner's name of a collective given by it or by its method's (``"Bcast"``,
         ``"reduce_scatter_block"``), in any case; ddl.Error naming the choices for any other."""
-        key = str(name).lower()
-        canonical = _COLLECTIVE_ALIASES.get(key, key)
+        canonical = collective_name(name)
         if canonical not in COLLECTIVES:
             raise Error(f"collective must be one of {', '.join(COLLECTIVES)} (or a method's name: Allreduce, "
                         f"Reduce_scatter_block, Allgather, Bcast), got {name!r}")

@@ -62,6 +62,16 @@ import numpy as np
 from .errors import ScheduleError
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+# the names of the communicator methods that run them, where they differ (lower case)
+_METHOD_NAMES = {"reduce_scatter_block": "reduce_scatter", "bcast": "broadcast"}
+
+
+def collective_name(name):
+    """The name of :data:`COLLECTIVES` that ``name`` gives, in any case and also as a communicator
+    method's (``Bcast``, ``Reduce_scatter_block``); other names are returned lower-cased, for the
+    caller's error."""
+    key = str(name).strip().lower()
+    return _METHOD_NAMES.get(key, key)
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 OP_KINDS = (SEND, RECV, REDUCE)
 _KIND_CODE = {kind: code for code, kind in enumerate(OP_KINDS)}   # Dataflow.kind

@@ -248,6 +248,8 @@ def test_a_broadcast_plan_says_its_root(capsys, tmp_path, monkeypatch):
     assert "collective  broadcast of 1 MiB from rank 2\n" in capsys.readouterr().out
     assert main(args + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["root"] == 2
+    args[args.index("broadcast")] = "Bcast"             # the method's name, as comm.plan takes it
+    assert main(args) == 0 and "collective  broadcast of 1 MiB from rank 2\n" in capsys.readouterr().out
 
 
 def test_nothing_to_move_has_a_zero_bound_and_is_not_cached(capsys, tmp_path, monkeypatch):

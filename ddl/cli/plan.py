@@ -3,7 +3,7 @@ import json
 import os
 
 from ..errors import PlanError, ScheduleError
-from ..schedule import COLLECTIVES, Schedule
+from ..schedule import COLLECTIVES, Schedule, collective_name
 from ..units import counted, format_bandwidth, format_seconds, format_size, parse_size
 from . import check_output_file, same_file_as_any
 
@@ -28,7 +28,8 @@ def register(sub):
                    help="message size, e.g. 256MiB, 64MB, 1048576 (default 256MiB); several, comma-separated "
                         "(4MiB,64MiB), plan each in turn (not with --compare or --save): a job's bucket sizes "
                         "planned ahead at once")
-    p.add_argument("--collective", default=None, choices=COLLECTIVES, help="default allreduce")
+    p.add_argument("--collective", default=None, choices=COLLECTIVES, type=collective_name,
+                   help="default allreduce (any case; Bcast and Reduce_scatter_block too)")
     p.add_argument("--algorithm", default="auto", metavar="NAME", help="auto (default) or an algorithm name")
     p.add_argument("--root", type=int, default=0, help="root rank for broadcast")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
