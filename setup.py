@@ -2,9 +2,26 @@
 import re
 from pathlib import Path
 
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).parent
+
+
+class BuildPy(build_py):
+    """Also puts the CUDA sources (``native/`` of the checkout) into the built package as ``ddl/native/``,
+    where ``ddl.gpu.kernels`` looks first; an editable install finds them in the checkout instead."""
+
+    def run(self):
+        super().run()
+        if not getattr(self, "editable_mode", False):
+            target = Path(self.build_lib) / "ddl" / "native"
+            target.mkdir(parents=True, exist_ok=True)
+            for source in (HERE / "native").iterdir():
+                if source.suffix in (".cuh", ".md"):
+                    shutil.copy2(source, target / source.name)
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "ddl" / "__init__.py").read_text()).group(1)
 
 setup(
@@ -31,5 +48,6 @@ setup(
         "bf16": ["ml_dtypes"],
     },
     entry_points={"console_scripts": ["ddl = ddl.cli:main"]},
+    cmdclass={"build_py": BuildPy},
     classifiers=["Programming Language :: Python :: 3", "Topic :: System :: Distributed Computing"],
 )

@@ -65,7 +65,8 @@ def native_source():
                 _source_cache[key] = path.read_text()
             return _source_cache[key]
     raise Error(f"ddl's CUDA sources ({HEADER}) were not found in {', '.join(map(str, native_dirs()))}; "
-                f"reinstall ddl (the wheel ships them as ddl/native/{HEADER}) or set DDL_NATIVE_DIR")
+                f"reinstall ddl (its wheel ships them as ddl/native/{HEADER}; an editable install reads native/ "
+                f"of its checkout) or set DDL_NATIVE_DIR")
 
 
 # ---- specs ----------------------------------------------------------------------------------------
