@@ -1213,13 +1213,15 @@ class Engine:
                 same.append(r)
             else:
                 elsewhere.append((r, s[0], s[1]))
+        away = []
         if ex.state == "agreement" and self.board is not None:
             missing = self.board.missing(ex.seq)
-            latest = ", ".join(f"rank {r}: #{s}" if s >= 0 else f"rank {r}: none" for r, s in sorted(missing.items())[:8])
+            latest = ", ".join(f"rank {r}: #{s}" if s >= 0 else f"rank {r}: none yet" for r, s in sorted(missing.items())[:8])
             body = (f"; waiting in the agreement step for {format_ranks(sorted(missing))}, which "
                     f"{'has' if len(missing) == 1 else 'have'} not entered it (latest ddl collective entered: {latest})")
             entered = [r for r in silent if r not in missing]  # posted on the board: in it with us
             same = sorted(set(same) | set(entered))
+            away = [r for r in silent if r in missing]         # and never said they wait in one of ours
             silent = []
         elif ex.state == "agreement":
             body = "; waiting in the agreement step for every rank to enter this collective"
@@ -1233,6 +1235,9 @@ class Engine:
         else:
             body = f"; state {ex.state}"
         notes = []
+        if away:
+            notes.append(f"{format_ranks(away)}: busy outside this communicator (computing, in another ddl "
+                         f"communicator's collective or another MPI call) or dead")
         if same:
             notes.append(f"{format_ranks(same)} {'is' if len(same) == 1 else 'are'} stuck in it too")
         for seq, ranks in sorted(gave_up.items()):

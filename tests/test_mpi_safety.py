@@ -53,6 +53,9 @@ def test_stall_watchdog_names_the_sleeping_rank(agreement):
     # the data-phase stall names the steps (op index, chunk, peer) it waits for
     assert re.search(r"STALL2 rank \d after [\d.]+s: .*waiting for rank \d .*op \d+ \((reduce|recv) chunk \d+ from rank \d\)", out)
     assert re.search(r"STALL1 rank 0 .*agreement step", out)
+    if agreement == "auto":     # on the board: the rank not heard from is away, not in some other call of ours
+        assert re.search(r"STALL1 rank 0 .*rank 2: busy outside this communicator \(computing, in another ddl "
+                         r"communicator's collective or another MPI call\) or dead", out), out[-4000:]
     # an unchecked call (scenario 2: check="off") may stall for want of matching arguments: it says so
     unchecked = "this call was not checked against the other ranks' (check='new' checks a signature"
     assert all(unchecked in line for line in re.findall(r"STALL2 rank [01] .*", out)), out[-4000:]
