@@ -100,14 +100,18 @@ def late_wait(comm, buf):
     req = comm.Iallreduce(ddl.IN_PLACE, big)
     time.sleep(SLEEP)
     for what, call in (("wait", req.Wait), ("next", lambda: comm.Allreduce(ddl.IN_PLACE, buf))):
-        t0 = time.monotonic()
-        try:
-            call()
-            print(f"LATE8 rank {RANK} {what} ok", flush=True)
-        except ddl.Error as exc:
-            print(f"LATE8 rank {RANK} {what} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {exc}",
-                  flush=True)
+        said(f"LATE8 rank {RANK} {what}", call)
     raise ddl.StallError("(the late rank's outcome is in its LATE8 lines)")
+
+
+def said(line, call):
+    """Run ``call`` and print ``<line> ok``, or ``<line> after <s>s: <error type>: <error>``."""
+    t0 = time.monotonic()
+    try:
+        call()
+        print(f"{line} ok", flush=True)
+    except ddl.Error as exc:
+        print(f"{line} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {exc}", flush=True)
 
 
 def post_then_sleep(comm, buf, calls=None):
@@ -141,13 +145,7 @@ def freeing(k, last_sleeps):
             if last_sleeps and what == "call":
                 time.sleep(SLEEP)
             continue
-        t0 = time.monotonic()
-        try:
-            call()
-            print(f"FREE{k} rank {RANK} {what} ok", flush=True)
-        except ddl.Error as exc:
-            print(f"FREE{k} rank {RANK} {what} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {exc}",
-                  flush=True)
+        said(f"FREE{k} rank {RANK} {what}", call)
     WORLD.Barrier()
 
 
