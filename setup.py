@@ -1,8 +1,7 @@
 """ddl: topology-aware collective communication for distributed deep learning."""
 import re
-from pathlib import Path
-
 import shutil
+from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
