@@ -396,6 +396,12 @@ class Communicator:
         self.check = check
         self.algorithm = algorithm = "auto" if algorithm is None else algorithm
         self._algorithm_of = self._algorithms(algorithm)
+        if planner is None:          # ddl's planner: a name it does not know fails here, not at every call
+            from .planner import algorithm_names
+            known = ("auto", *algorithm_names())
+            for name in [algorithm] if isinstance(algorithm, str) else algorithm.values():
+                if name not in known:
+                    raise Error(f"unknown algorithm {name!r}; choose one of: {', '.join(known)}")
         if self.size > 1:
             from .algorithms import ALGORITHMS
             names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}

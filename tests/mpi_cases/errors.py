@@ -599,6 +599,10 @@ for mode in ("new", "off"):
         chk.fail(f"check={mode}: the call after a refusal on rank {last}: {type(exc).__name__}: {exc}")
     c4.Free()
 expect(ddl.Error, lambda: ddl.Communicator(WORLD, check="sometimes"), "check must be one of", label="bad check")
+# a misspelt algorithm fails where the communicator is made (it was taken, and every call then failed)
+for spelt in ("rign", {"allreduce": "hierarchical", "broadcast": "tree"}):
+    expect(ddl.Error, lambda: ddl.Communicator(WORLD, algorithm=spelt), "unknown algorithm", "choose one of: auto, ring",
+           label=f"algorithm={spelt!r}")
 os.environ["DDL_CHECK"] = "bogus"
 expect(ddl.Error, lambda: ddl.Communicator(WORLD), "environment variable DDL_CHECK must be one of always, new, off, "
        "got 'bogus'", label="bad DDL_CHECK")
