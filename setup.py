@@ -21,6 +21,8 @@ class BuildPy(build_py):
             for source in (HERE / "native").iterdir():
                 if source.suffix in (".cuh", ".md"):
                     shutil.copy2(source, target / source.name)
+
+
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "ddl" / "__init__.py").read_text()).group(1)
 
 setup(

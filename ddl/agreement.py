@@ -123,8 +123,12 @@ def _shape_text(word, dtype_name):
     tag = word & 7
     if tag == _DIGESTED:
         return f"{dtype_name}, shape #{word >> 40:06x}"
-    dims = [(word >> (3 + _DIM_BITS * i)) & ((1 << _DIM_BITS) - 1) for i in range(tag - 1)]
-    return f"{dtype_name}[{', '.join(map(str, dims))}]" if dims else f"{dtype_name} scalar"
+    return array_text(dtype_name, [(word >> (3 + _DIM_BITS * i)) & ((1 << _DIM_BITS) - 1) for i in range(tag - 1)])
+
+
+def array_text(dtype_name, shape):
+    """``float64[2, 3]``: an array's dtype and shape (``float64 scalar`` for a 0-d one)."""
+    return f"{dtype_name}[{', '.join(map(str, shape))}]" if len(shape) else f"{dtype_name} scalar"
 
 
 class Signature:

@@ -59,8 +59,8 @@ import weakref
 
 import numpy as np
 
-from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, device_start, digest62, format_ranks, grouped,
-                        refusal, shape_shown)
+from .agreement import (CHECK_MODES, ShmBoard, Signature, announced, array_text, device_start, digest62,
+                        format_ranks, grouped, refusal, shape_shown)
 from .buffers import IN_PLACE, is_in_place, like_input, parse_buffer, torch_bfloat16
 from .gpu import check_settings as check_gpu_settings
 from .gpu.buffers import is_device_buffer
@@ -206,14 +206,9 @@ def _returned(out, given):
     return like_input(out, given)
 
 
-def _array_text(a):
-    """``float64[2, 3]``: an array's dtype and shape (``float64 scalar`` for a 0-d one)."""
-    return f"{a.dtype.name}[{', '.join(map(str, a.shape))}]" if a.ndim else f"{a.dtype.name} scalar"
-
-
 def _array_list(arrays, most=8):
     """``2 arrays: float64[3], float32[2, 2]`` (dtypes and shapes, in order; the first ``most``)."""
-    shown = ", ".join(_array_text(a) for a in arrays[:most])
+    shown = ", ".join(array_text(a.dtype.name, a.shape) for a in arrays[:most])
     more = f", ... ({len(arrays) - most} more)" if len(arrays) > most else ""
     return f"{counted(len(arrays), 'array')}: {shown}{more}"
 
@@ -396,19 +391,10 @@ class Communicator:
         self.check = check
         self.algorithm = algorithm = "auto" if algorithm is None else algorithm
         self._algorithm_of = self._algorithms(algorithm)
-        if planner is None:          # ddl's planner: a name it does not know fails here, not at every call
-            from .planner import algorithm_names
-            known = ("auto", *algorithm_names())
-            for name in [algorithm] if isinstance(algorithm, str) else algorithm.values():
-                if name not in known:
-                    raise Error(f"unknown algorithm {name!r}; choose one of: {', '.join(known)}")
-        if self.size > 1:
-            from .algorithms import ALGORITHMS
-            names = set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}
-            unknown = sorted(n for n in names if n != "auto" and n not in ALGORITHMS)
-            if unknown:
-                raise PlanError(f"unknown algorithm {unknown[0]!r}; choose one of: auto, "
-                                f"{', '.join(ALGORITHMS)}")
+        if self.size > 1 or planner is None:   # a name ddl does not know fails here, not at every call
+            from .planner import check_algorithm
+            for name in sorted(set(algorithm.values()) if isinstance(algorithm, dict) else {algorithm}):
+                check_algorithm(name)
         stall = {}
         for name, given, default in (("stall_warning", stall_warning, _DEFAULT_STALL_WARNING),
                                      ("stall_timeout", stall_timeout, _DEFAULT_STALL_TIMEOUT)):
@@ -946,7 +932,8 @@ class Communicator:
             if before is not None:
                 before(ex)
             if isinstance(ex.error, MismatchError):
-                ex.error.args = (f"{ex.error}; this rank (rank {self.rank}) passed {_array_text(arr)}",)
+                passed = array_text(arr.dtype.name, arr.shape)
+                ex.error.args = (f"{ex.error}; this rank (rank {self.rank}) passed {passed}",)
         ex.on_error = on_error
         return ex
 

@@ -132,6 +132,12 @@ def algorithm_names():
     return list(ALGORITHMS)
 
 
+def check_algorithm(name):
+    """:class:`PlanError` naming the choices unless ``name`` is ``auto`` or an algorithm of ddl's."""
+    if name != AUTO and name not in algorithm_names():
+        raise PlanError(f"unknown algorithm {name!r}; choose one of: {AUTO}, {', '.join(algorithm_names())}")
+
+
 class Planner:
     """Plans collectives on one topology, with an in-memory and an on-disk cache."""
 
@@ -277,8 +283,7 @@ class Planner:
         from .bounds import lower_bound
 
         built = {}
-        if algorithm != AUTO and algorithm not in algorithm_names():
-            raise PlanError(f"unknown algorithm {algorithm!r}; choose one of: auto, {', '.join(algorithm_names())}")
+        check_algorithm(algorithm)
         skipped, names = {}, []
         for name in ([] if algorithm == AUTO else [algorithm]) + algorithm_names():
             if name in names or name in skipped:

@@ -72,6 +72,8 @@ def collective_name(name):
     caller's error."""
     key = str(name).strip().lower()
     return _METHOD_NAMES.get(key, key)
+
+
 SEND, RECV, REDUCE = "send", "recv", "reduce"
 OP_KINDS = (SEND, RECV, REDUCE)
 _KIND_CODE = {kind: code for code, kind in enumerate(OP_KINDS)}   # Dataflow.kind
