@@ -328,6 +328,10 @@ class Communicator:
         self._board = None
         local = node.Get_size() if node is not None else 1
         cores = len(set().union(*node.allgather(_affinity()))) if node is not None else len(_affinity())
+        # ranks of this node, when the job spans several: the executor paces its sends to them (see
+        # ddl.executor._pace_node_sends)
+        self._node_peers = (frozenset(node.allgather(self.rank)) - {self.rank}
+                            if node is not None and local < self.size else frozenset())
         if node is not None:
             node.Free()
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
@@ -556,7 +560,8 @@ class Communicator:
         inline = self._inline[collective]      # (non-zero only with ddl's own planner)
         if pinned is not None:
             inline = 0                           # a pinned schedule runs at every size, the smallest too
-        plan = CompiledPlan(sched, self.rank, count, dtype, layout, ufunc=op.ufunc if op is not None else None)
+        plan = CompiledPlan(sched, self.rank, count, dtype, layout, ufunc=op.ufunc if op is not None else None,
+                            node_peers=self._node_peers)
         sig = Signature(collective, sig_count, dtype, op, root, self._check_schedule(sched, collective, root), self._topology_digest,
                         self.check)
         finish = self._finisher(layout, count, dtype, op)

@@ -31,7 +31,11 @@ Execution rules
   peer are posted in program order (a reduce behind a late receive from the same peer waits too),
   which with MPI's non-overtaking rule pairs the k-th send with the k-th receive exactly as
   ``schedule.matches`` says.
-* Sends are issued as soon as their dependencies complete, straight from the buffer (no copy).
+* Sends are issued as soon as their dependencies complete, straight from the buffer (no copy). One
+  exception, when the job spans several nodes: sends with no dependencies to ranks of this rank's own
+  node leave ``DDL_NODE_WINDOW`` (default 1) at a time, each of the others when an earlier one
+  completes (:func:`_pace_node_sends`), since a flood of them through shared memory stops MPICH's
+  network progress. If a collective makes no progress for 10 ms, the held ones leave at once.
 * Reductions of a chunk happen in program order (each waits for the previous write to its chunk), so
   the reduction order -- hence every bit of the result -- is a fixed function of the schedule. The
   operands go in the order :attr:`Schedule.operand_order` gives (``ufunc(scratch, local, out=local)``
@@ -77,7 +81,7 @@ Waiting: ``MPI_Testsome`` over all requests (plus the shared-memory agreement bo
 
 Everything is tunable by environment (``DDL_SPIN``, ``DDL_IDLE_SLEEP_AFTER``, ``DDL_IDLE_SLEEP_AFTER_LARGE``,
 ``DDL_IDLE_NAP``, ``DDL_IDLE_NAP_MAX``, ``DDL_DOORBELL`` (auto, on or off), ``DDL_TIMERSLACK=0`` (or off, no,
-false), ``DDL_EARLY_LIMIT``, ``DDL_LARGE_MESSAGE``).
+false), ``DDL_EARLY_LIMIT``, ``DDL_LARGE_MESSAGE``, ``DDL_NODE_WINDOW``).
 """
 import math
 import os
@@ -108,6 +112,7 @@ STATUS_TAG = 7  # on the signature communicator, never the data one
 _VIEW_CACHE_BYTES = 1 << 20  # plans up to this size may keep their per-op views (see Engine._views)
 _EAGER_TEST = 4096           # sends up to this size are tested for completion right after MPI_Isend
 SCRATCH_BYTES = 1 << 30       # scratch kept for reuse, all plans together (env DDL_SCRATCH_BYTES; see ScratchPool)
+_RELEASE_HELD = 0.01          # s without progress after which held sends go anyway (Engine._release_held)
 _ENGINES = []  # weak references to every live engine of this process (see Engine.poll); a plain list: len() is cheap
 
 
@@ -177,7 +182,8 @@ def _reduce_rows(ufunc, rows, out):
 class CompiledPlan:
     """A schedule instantiated for (rank, count, itemsize, layout); see the module docstring."""
 
-    def __init__(self, schedule, rank, count, dtype, layout, ufunc=None, early_limit=None):
+    def __init__(self, schedule, rank, count, dtype, layout, ufunc=None, early_limit=None, node_peers=(),
+                 node_window=None):
         self.schedule, self.rank, self.count, self.dtype, self.layout = schedule, rank, count, dtype, layout
         self.ufunc = ufunc
         isz = self.itemsize = np.dtype(dtype).itemsize
@@ -257,6 +263,12 @@ class CompiledPlan:
         self.dependents = [tuple(d) for d in dependents]
         self.early = early
         self.ready0 = [k for k, nd in enumerate(need0) if nd == 0]
+        if node_window is None:
+            node_window = plan_settings()[2]
+        self.held, self.paced = _pace_node_sends(ops, self.ready0, node_peers, node_window)
+        if self.held:
+            held = set(self.held)
+            self.ready0 = [k for k in self.ready0 if k not in held]
         self.original_index = orig
         self.scratch_elems = scratch
         # bytes of one call's (scratch, work) pair (see resources, ScratchPool)
@@ -354,15 +366,35 @@ class ScratchPool:
 
 
 def plan_settings():
-    """``(DDL_EARLY_LIMIT, DDL_LARGE_MESSAGE)`` in bytes: read as a plan is compiled, and when a
-    communicator is made, so that a typo fails there and then on every node."""
-    return env_int("DDL_EARLY_LIMIT", 256 * 1024, minimum=0), env_int("DDL_LARGE_MESSAGE", 16 * 1024, minimum=0)
+    """``(DDL_EARLY_LIMIT, DDL_LARGE_MESSAGE)`` in bytes and ``DDL_NODE_WINDOW`` (messages): read as a
+    plan is compiled, and when a communicator is made, so that a typo fails there and then on every
+    node."""
+    return (env_int("DDL_EARLY_LIMIT", 256 * 1024, minimum=0), env_int("DDL_LARGE_MESSAGE", 16 * 1024, minimum=0),
+            env_int("DDL_NODE_WINDOW", 1, minimum=0))
+
+
+def _pace_node_sends(ops, ready, node_peers, window):
+    """``(held, paced)``: which of the sends ready at the start (``ready``, compiled op indices) wait
+    for an earlier one, and the set of all those that are paced.
+
+    Paced are the sends ready at the start that go to ranks of this node (``node_peers``) and are too
+    large to be sent eagerly: the first ``window`` leave at once, each of the others (``held``, program
+    order) when a paced one completes (see :meth:`Engine._complete`). Why: such sends have no
+    dependency, so without a window all of them leave together -- tens of MiB through shared memory at
+    the start of a tree-packing allreduce -- and MPICH's progress engine skips its network progress in
+    every poll that moved shared-memory data. The rank that gathers its node's sums for other nodes
+    then sent and received nothing over the network for the first ~150 ms of a 64 MiB allreduce on the
+    emulated two racks (``ddl bench --trace``). ``window`` 0 (or no node peers) paces nothing."""
+    if not window or not node_peers:
+        return [], frozenset()
+    paced = [k for k in ready if ops[k][0] == C_SEND and ops[k][1] in node_peers and ops[k][12] - ops[k][11] > _EAGER_TEST]
+    return paced[window:], frozenset(paced)
 
 
 class Execution:
     """One collective in flight (see :class:`Engine`)."""
 
-    __slots__ = ("plan", "seq", "sig", "sig_hash", "check", "salt", "tag_base", "bufs", "views", "need",
+    __slots__ = ("held", "plan", "seq", "sig", "sig_hash", "check", "salt", "tag_base", "bufs", "views", "need",
                  "remaining", "state", "error", "done", "check_buf", "gather_buf", "resources", "finish",
                  "t_start", "t_progress", "warned", "label", "agree_done", "engine", "inline", "extents",
                  "on_error")
@@ -384,6 +416,7 @@ class Execution:
         self.inline = None  # a collective small enough to ride on the agreement board: what it posts
         self.extents = None  # (send, recv) address ranges, once a later call asks (see Communicator._start)
         self.on_error = None  # called when its error is raised to the user (see Engine._deliver)
+        self.held = None  # sends to ranks of this node not yet released (see _pace_node_sends)
 
 
 class Doorbell:
@@ -690,6 +723,8 @@ class Engine:
             reqs.append(irecv(views[k][0], o[1], tb + o[2]))
             owners.append((ex, k, EV_ARRIVE))
         self.nactive += len(plan.early)
+        if plan.held:
+            ex.held = deque(plan.held)
         if plan.ready0:
             self._run(ex, plan.ready0.copy())
         for sb, so, hb, ho, ln in plan.copies:
@@ -769,6 +804,8 @@ class Engine:
         ex.remaining -= 1
         ready = None
         need = ex.need
+        if ex.held and k in ex.plan.paced:
+            ready = [ex.held.popleft()]     # the next paced send (see _pace_node_sends)
         for j in ex.plan.dependents[k]:
             need[j] -= 1
             if need[j] == 0:
@@ -1132,6 +1169,8 @@ class Engine:
         watched = list(self.inflight.values()) or list(self.deferred)[:1]
         for ex in watched:
             stalled = now - ex.t_progress
+            if ex.held and stalled >= _RELEASE_HELD:
+                self._release_held(ex)
             if stalled >= self.stall_warning / 2:
                 self._send_status(ex)      # (once) so that the peers' warnings can say that this rank waits too
             if stalled >= self.stall_warning and not ex.warned:
@@ -1148,6 +1187,15 @@ class Engine:
                         "different collectives look exactly like this; rerun with check='always' to find out)")
                 self._give_up(ex, StallError(self.describe_stall(ex, stalled)
                                              + f" [stall_timeout {self.stall_timeout:g} s]" + hint))
+
+    def _release_held(self, ex):
+        """Send every paced send of ``ex`` still held: its collective made no progress for a while. A
+        paced send waits for an earlier one to complete, which needs its receive posted; a schedule may
+        post that receive only after data that a held send carries, and this ends such a wait."""
+        held, ex.held = list(ex.held), None
+        self._run(ex, held)
+        if ex.remaining == 0:
+            self._finish(ex)
 
     def _gone(self, seq):
         """The peers that gave up on (or failed in) ddl collective ``seq`` or an earlier one, as they told

@@ -45,3 +45,23 @@ def test_ranks_pinned_each_to_a_cpu_of_its_own_are_not_oversubscribed(pinned, ov
     assert sorted(r for r, _, _ in said) == ["0", "1"], out[-2000:]
     assert len({cpu for _, cpu, _ in said}) == (2 if pinned == "own" else 1)
     assert {flag for _, _, flag in said} == {str(oversubscribed)}
+
+
+def test_paced_sends_to_node_peers_change_no_result():
+    """Told that ranks 2k and 2k+1 share a node, the executor paces their sends to each other
+    (tests/mpi_cases/node_pacing.py): every result stays bitwise what it is unpaced, and tree-packing
+    and hierarchical really hold sends back."""
+    out = run_ok(4, "node_pacing.py", "compare")
+    held = {name: int(n) for name, n in re.findall(r"RESULT ([\w-]+): (\d+) sends held", out)}
+    assert set(held) == {"tree-packing", "ring", "hierarchical"}, out[-3000:]
+    assert held["tree-packing"] > 0 and held["hierarchical"] > 0
+    assert re.search(r"RESULT node-pacing: \d+ checks passed on 4 ranks \(3 results bitwise", out)
+
+
+def test_held_sends_are_released_when_a_collective_stops_progressing():
+    """A schedule whose paced sends wait on each other across two ranks completes; with the release
+    turned off, the same call stalls (so the release is what completes it)."""
+    out = run_ok(2, "node_pacing.py", "crossed")
+    assert re.search(r"RESULT crossed done in \d", out) and "node-pacing crossed: 6 checks passed" in out
+    out = run_ok(2, "node_pacing.py", "crossed-unreleased", timeout=120)
+    assert len(re.findall(r"RESULT rank \d stalled", out)) == 2, out[-3000:]

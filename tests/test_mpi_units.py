@@ -396,6 +396,40 @@ def test_compiled_plan_classifies_ops_and_drops_empty_chunks():
     assert empty.nops == 0
 
 
+def test_sends_to_ranks_of_the_same_node_are_paced():
+    """Sends ready at the start that go to ranks of this node leave ``node_window`` at a time (program
+    order): the others are held. Sends to other nodes, eager-sized ones and sends with dependencies
+    never are; window 0, or no node peers, holds nothing."""
+    from ddl.schedule import Op, Schedule
+    from ddl.verify import verify
+    # rank 1 sums chunks 0, 1 and 3, rank 2 chunk 2; each sends its sums back
+    s = Schedule("allreduce", 3, (1, 1, 1, 1), (
+        (Op("send", 0, 1), Op("send", 1, 1), Op("send", 2, 2), Op("send", 3, 1),
+         Op("recv", 0, 1), Op("recv", 1, 1), Op("recv", 2, 2), Op("recv", 3, 1)),
+        (Op("send", 2, 2), Op("reduce", 0, 0), Op("reduce", 0, 2), Op("reduce", 1, 0), Op("reduce", 1, 2),
+         Op("reduce", 3, 0), Op("reduce", 3, 2), Op("send", 0, 0), Op("send", 0, 2), Op("send", 1, 0),
+         Op("send", 1, 2), Op("send", 3, 0), Op("send", 3, 2), Op("recv", 2, 2)),
+        (Op("send", 0, 1), Op("send", 1, 1), Op("send", 3, 1), Op("reduce", 2, 0), Op("reduce", 2, 1),
+         Op("send", 2, 0), Op("send", 2, 1), Op("recv", 0, 1), Op("recv", 1, 1), Op("recv", 3, 1))),
+        algorithm="test")
+    verify(s)
+    compiled = lambda window, count=1 << 20, peers=frozenset({1}): CompiledPlan(
+        s, 0, count, np.dtype(np.float32), "allreduce", ufunc=np.add, node_peers=peers, node_window=window)
+    chunks_to = lambda plan, peer, ks: [plan.ops[k][2] for k in ks if plan.ops[k][1] == peer]
+    one = compiled(1)
+    assert chunks_to(one, 1, one.ready0) == [0] and chunks_to(one, 1, one.held) == [1, 3]   # program order
+    assert chunks_to(one, 2, one.ready0) == [2] and not chunks_to(one, 2, one.held)         # another node
+    assert len(one.paced) == 3 and not set(one.held) & set(one.ready0)
+    two = compiled(2)
+    assert chunks_to(two, 1, two.ready0) == [0, 1] and chunks_to(two, 1, two.held) == [3]
+    for plan in (compiled(0), compiled(1, peers=frozenset()), compiled(1, count=4000)):   # 4000 B: eager sized
+        assert not plan.held and not plan.paced and len(plan.ready0) == 4
+    # rank 1's sends with dependencies (the sums) are never paced, though rank 0 is a node peer
+    sums = CompiledPlan(s, 1, 1 << 20, np.dtype(np.float32), "allreduce", ufunc=np.add,
+                        node_peers=frozenset({0}), node_window=1)
+    assert not sums.held and len(sums.paced) == 0
+
+
 @pytest.mark.parametrize("value,says", [("nan", "is not a number"), ("abc", "is not a number"),
                                         ("inf", "must be a whole number"), ("-inf", "must be a whole number"),
                                         ("4096.9", "must be a whole number"), ("0.5", "must be a whole number")])
