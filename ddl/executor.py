@@ -35,7 +35,8 @@ Execution rules
   exception, when the job spans several nodes: sends with no dependencies to ranks of this rank's own
   node leave ``DDL_NODE_WINDOW`` (default 1) at a time, each of the others when an earlier one
   completes (:func:`_pace_node_sends`), since a flood of them through shared memory stops MPICH's
-  network progress. If a collective makes no progress for 10 ms, the held ones leave at once.
+  network progress. Held ones leave at once when their collective has made no progress for 10 ms
+  (the stall watchdog looks every 50 ms while a rank waits).
 * Reductions of a chunk happen in program order (each waits for the previous write to its chunk), so
   the reduction order -- hence every bit of the result -- is a fixed function of the schedule. The
   operands go in the order :attr:`Schedule.operand_order` gives (``ufunc(scratch, local, out=local)``
