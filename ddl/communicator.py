@@ -327,11 +327,11 @@ class Communicator:
         self._freed = False
         self._board = None
         local = node.Get_size() if node is not None else 1
-        cores = len(set().union(*node.allgather(_affinity()))) if node is not None else len(_affinity())
+        members = node.allgather((self.rank, _affinity())) if node is not None else [(self.rank, _affinity())]
+        cores = len(set().union(*(cpus for _, cpus in members)))
         # ranks of this node, when the job spans several: the executor paces its sends to them (see
         # ddl.executor._pace_node_sends)
-        self._node_peers = (frozenset(node.allgather(self.rank)) - {self.rank}
-                            if node is not None and local < self.size else frozenset())
+        self._node_peers = frozenset(r for r, _ in members if r != self.rank) if local < self.size else frozenset()
         if node is not None:
             node.Free()
         # the check runs through shared memory when every rank is on this node (see ddl.agreement)
