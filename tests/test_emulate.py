@@ -4,7 +4,9 @@ import fcntl
 import json
 import os
 import shutil
+import select
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -997,6 +999,89 @@ def test_a_second_up_of_a_cluster_being_built_is_refused(tmp_path):
         assert set(netns.list_namespaces()) == before and not state.exists()
     finally:
         holder.close()
+        _clean(name, state)
+
+
+@pytest.mark.parametrize("given, forwarded", [("devnull", False), ("closed", False), ("pipe", True), ("file", True)])
+def test_hydra_gets_a_silent_stdin_unless_there_is_input(monkeypatch, tmp_path, given, forwarded):
+    """Hydra reports the end of its stdin to rank 0's proxy, and that report kills it with SIGPIPE when
+    rank 0 has already ended: without input (/dev/null, or none), mpiexec gets a pipe that neither
+    carries data nor ends while the job runs, closed after. A pipe or a file given is forwarded as is;
+    Open MPI's launcher always gets ddl's own stdin."""
+    if given == "pipe":
+        r, w = os.pipe()
+        os.close(w)
+        stream = os.fdopen(r)
+    elif given == "file":
+        (tmp_path / "in").write_text("x")
+        stream = open(tmp_path / "in")
+    else:
+        stream = open(os.devnull)
+        if given == "closed":
+            stream.close()
+    monkeypatch.setattr(sys, "stdin", stream)
+    try:
+        with launch._launcher_stdin(launch.MPICH) as given_stdin:
+            if forwarded:
+                assert given_stdin is None                    # Popen passes ddl's own
+            else:
+                assert stat.S_ISFIFO(os.fstat(given_stdin).st_mode)
+                assert select.select([given_stdin], [], [], 0.2)[0] == []     # no data, no end
+        if not forwarded:
+            with pytest.raises(OSError):
+                os.fstat(given_stdin)                         # closed with the job
+        with launch._launcher_stdin(launch.OPEN_MPI) as given_stdin:
+            assert given_stdin is None
+    finally:
+        stream.close()
+
+
+RANK0_STDIN = textwrap.dedent("""
+    import os, select, sys
+    if os.environ["PMI_RANK"] == "0":
+        if select.select([sys.stdin], [], [], 1.0)[0]:
+            print("rank 0 read", repr(sys.stdin.read()))
+        else:
+            print("rank 0 stdin silent")
+""")
+
+
+LEAVE_A_PROCESS = ("import subprocess; subprocess.Popen(['sleep', '300'], start_new_session=True, "
+                   "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
+"""A rank that starts a process outliving the job: in its own session, holding none of the launcher's
+pipes (which its agent would wait for), as a daemon does."""
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_run_forwards_only_real_input_and_ends_what_a_job_leaves_behind(tmp_path):
+    """On a cluster left up: with stdin /dev/null, rank 0's stdin is silent (see above); piped input
+    reaches rank 0. A process the job left running in a host is ended after the job, with a line saying
+    so, and the next run is not refused for it."""
+    name, path, state = _cluster_file(tmp_path, "stdin", per_host=1)
+
+    def ddl(*args, **kw):
+        return subprocess.run([sys.executable, "-m", "ddl", "emulate", *args], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=90, **kw)
+    try:
+        assert ddl("up", "--no-check", path).returncode == 0
+        tag = _recorded_tag(state)
+        quiet = ddl("run", path, "--no-check", "--", sys.executable, "-c", RANK0_STDIN, stdin=subprocess.DEVNULL)
+        assert quiet.returncode == 0, quiet.stderr
+        assert quiet.stdout.strip() == "rank 0 stdin silent"
+        given = ddl("run", path, "--no-check", "--", sys.executable, "-c", RANK0_STDIN, input="some input\n")
+        assert given.returncode == 0, given.stderr
+        assert given.stdout.strip() == "rank 0 read 'some input\\n'"
+
+        left = ddl("run", path, "--no-check", "--", sys.executable, "-c", LEAVE_A_PROCESS)
+        assert left.returncode == 0, left.stderr
+        assert "ddl emulate: mpiexec ended (status 0) leaving processes in the emulated hosts (pids " in left.stderr
+        assert "they were ended" in left.stderr
+        assert not [pid for ns in netns.list_namespaces() if ns.startswith(tag + "-") for pid in netns._netns_pids(ns)]
+        again = ddl("run", path, "--no-check", "--", "hostname", stdin=subprocess.DEVNULL)
+        assert again.returncode == 0 and sorted(again.stdout.split()) == ["n0", "n1"], again.stderr
+        assert "leaving processes" not in again.stderr
+    finally:
         _clean(name, state)
 
 

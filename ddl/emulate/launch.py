@@ -27,6 +27,7 @@ why:
   agents cannot see each other's ranks, and would pin every host's first rank to the same core.
 """
 import array
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -244,16 +245,56 @@ def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=Non
     """
     full = mpiexec_argv(cluster, argv, placement, env)
     pipe = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(full, cwd=cwd, stdout=pipe, stderr=pipe, text=capture)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise JobTimedOut(f"MPI job `{shlex.join(argv)}` did not finish in {timeout:g} s; it was stopped") from None
-    except BaseException:
-        stop(proc)
-        raise
+    with _launcher_stdin(find_launcher()[1]) as stdin:
+        proc = subprocess.Popen(full, cwd=cwd, stdin=stdin, stdout=pipe, stderr=pipe, text=capture)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            raise JobTimedOut(f"MPI job `{shlex.join(argv)}` did not finish in {timeout:g} s; it was stopped") from None
+        except BaseException:
+            stop(proc)
+            raise
+    left = cluster.end_leftovers()
+    if left:
+        status = f"signal {-proc.returncode}" if proc.returncode < 0 else f"status {proc.returncode}"
+        print(f"ddl emulate: mpiexec ended ({status}) leaving processes in the emulated hosts "
+              f"(pids {', '.join(map(str, left))}); they were ended", file=sys.stderr)
     return subprocess.CompletedProcess(full, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def _launcher_stdin(found):
+    """mpiexec's stdin for the length of a job: this process's own when it may carry input for rank 0
+    (a terminal, a pipe, a file), else (``/dev/null``, or none) a pipe that stays open and silent until
+    the job has ended. Yields what ``Popen`` takes as ``stdin`` (None: its own).
+
+    Hydra tells rank 0's proxy when its stdin has ended: at once, in the same step that sends the
+    proxy its command, when its stdin is one it cannot read; when it reads end-of-file (``/dev/null``)
+    otherwise. A rank 0 that is already done by then (``hostname`` on a loaded machine) has taken its
+    proxy's connection with it, and the write kills mpiexec with SIGPIPE: exit 141, without a word, the
+    other hosts' proxies left orphaned. A stdin that never ends is never reported; rank 0 then has one
+    without input or end, as hydra gives every other rank. Open MPI's launcher gets ddl's own stdin.
+    """
+    if found not in (MPICH, INTEL_MPI) or _has_input(sys.stdin):
+        yield None
+        return
+    read_end, write_end = os.pipe()           # neither inherited by mpiexec but as its stdin
+    try:
+        yield read_end
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def _has_input(stream):
+    """Whether ``stream`` is open on something that may hold input: a terminal, a pipe, a file, a socket."""
+    try:
+        fd = stream.fileno()
+        mode = os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):     # no stream, or a closed one
+        return False
+    return os.isatty(fd) or stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)
 
 
 STOP_GRACE = 5.0

@@ -580,6 +580,16 @@ class Cluster:
             self.down()
         return False
 
+    def end_leftovers(self):
+        """End whatever still runs in the cluster's hosts after a job (a launcher killed before its
+        agents leaves them orphaned there); return their PIDs. The caller holds the cluster's lock
+        and its job has ended, so they are that job's."""
+        pids = sorted(pid for h in self.plan.hosts for pid in _netns_pids(h.netns))
+        if pids:
+            for h in self.plan.hosts:
+                _end_processes(h.netns)
+        return pids
+
     def release(self):
         """Let go of the cluster's lock and leave it up (for a borrowed one: as its builder left it)."""
         if self._lock is not None:
