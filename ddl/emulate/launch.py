@@ -251,16 +251,23 @@ def run(cluster, argv, placement, env=None, timeout=None, capture=False, cwd=Non
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             stop(proc)
+            _end_leftovers(cluster, proc)
             raise JobTimedOut(f"MPI job `{shlex.join(argv)}` did not finish in {timeout:g} s; it was stopped") from None
         except BaseException:
             stop(proc)
             raise
+    _end_leftovers(cluster, proc)
+    return subprocess.CompletedProcess(full, proc.returncode, out, err)
+
+
+def _end_leftovers(cluster, proc):
+    """End what the ended job ``proc`` left running in the hosts (of a cluster left up; a cluster of
+    its own is torn down anyway), and say so."""
     left = cluster.end_leftovers()
     if left:
         status = f"signal {-proc.returncode}" if proc.returncode < 0 else f"status {proc.returncode}"
         print(f"ddl emulate: mpiexec ended ({status}) leaving processes in the emulated hosts "
               f"(pids {', '.join(map(str, left))}); they were ended", file=sys.stderr)
-    return subprocess.CompletedProcess(full, proc.returncode, out, err)
 
 
 @contextlib.contextmanager
