@@ -43,6 +43,8 @@ BAD_ARGUMENTS = [
     ("benchmarks/bench_overhead.py", ["--rounds", "0"], "at least 1"),
     ("benchmarks/bench_overhead.py", ["--dtype", "foo"], "not a numpy dtype"),
     ("benchmarks/bench_overhead.py", ["--sizes", "8", "--iters", "5,6"], "2 values for 1 size"),
+    ("benchmarks/bench_alternation.py", ["--cycles", "0"], "at least 1"),
+    ("benchmarks/bench_alternation.py", ["--bytes", "abc"], "cannot parse size 'abc'"),
     ("benchmarks/bench_small.py", ["--bytes", "abc"], "cannot parse size 'abc'"),
     ("benchmarks/bench_small.py", ["--rounds", "0"], "at least 1"),
     ("benchmarks/bench_plan_scale.py", ["--racks", "x"], "not an integer"),
