@@ -584,11 +584,10 @@ class Cluster:
         """End whatever still runs in the cluster's hosts after a job (a launcher killed before its
         agents leaves them orphaned there); return their PIDs. The caller holds the cluster's lock
         and its job has ended, so they are that job's."""
-        pids = sorted(pid for h in self.plan.hosts for pid in _netns_pids(h.netns))
-        if pids:
-            for h in self.plan.hosts:
-                _end_processes(h.netns)
-        return pids
+        running = _host_pids(self.plan)
+        for ns in running:
+            _end_processes(ns)
+        return sorted(pid for pids in running.values() for pid in pids)
 
     def release(self):
         """Let go of the cluster's lock and leave it up (for a borrowed one: as its builder left it)."""
@@ -722,7 +721,7 @@ def _check_idle(plan):
     """Refuse to run on a cluster in whose hosts processes still run: nobody holds its lock, so they
     are a job whose ``ddl emulate run`` was killed (or the user's own), and they would share the links
     with the new job."""
-    pids = sorted(pid for h in plan.hosts for pid in _netns_pids(h.netns))
+    pids = sorted(pid for found in _host_pids(plan).values() for pid in found)
     if pids:
         shown = ", ".join(map(str, pids[:8])) + (" ..." if len(pids) > 8 else "")
         raise Error(f"emulated cluster {plan.name!r} ({plan.tag}) is up with processes still running in its "
@@ -819,6 +818,12 @@ def _end_processes(ns, grace=2.0):
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and _netns_pids(ns):
             time.sleep(0.05)
+
+
+def _host_pids(plan):
+    """``{namespace: PIDs}`` of the cluster's hosts that have processes running in them."""
+    running = {h.netns: _netns_pids(h.netns) for h in plan.hosts}
+    return {ns: pids for ns, pids in running.items() if pids}
 
 
 def _netns_pids(ns):
