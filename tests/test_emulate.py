@@ -516,6 +516,66 @@ def test_a_cluster_with_processes_left_in_its_hosts_is_not_run_on(monkeypatch):
     netns._check_idle(plan)
 
 
+def test_list_shows_each_recorded_cluster_as_it_is_without_taking_a_lock(tmp_path, monkeypatch, capsys):
+    """``ddl emulate list``: a cluster up (with what runs in its hosts), one up in part, a stale record,
+    one being recorded (its lock held, read from /proc/locks), a damaged record; a folder with only an
+    unheld lock file is nothing. Listing takes no lock, so the held one stays held."""
+    from ddl.cli import main
+    monkeypatch.setattr(netns, "STATE_ROOT", tmp_path)
+
+    def record(topo, tag):
+        plan = plan_network(topo, tag)
+        folder = netns.state_dir_for(topo.name)
+        folder.mkdir()
+        (folder / "state.json").write_text(json.dumps({"plan": plan.to_dict(), "pid": 1}))
+        (folder / netns.LOCK_FILE).touch()
+        return plan, folder
+
+    racks, _ = record(two_rack(), "ddl-11")
+    part, _ = record(small("part"), "ddl-12")
+    stale, _ = record(small("stale"), "ddl-13")
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "state.json").write_text("{")
+    (tmp_path / "lock-only").mkdir()
+    (tmp_path / "lock-only" / netns.LOCK_FILE).touch()
+    building = tmp_path / "building"
+    building.mkdir()
+    fd = os.open(building / netns.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    live = [*racks.namespaces, *part.namespaces[1:]]
+    monkeypatch.setattr(netns, "list_namespaces", lambda: live)
+    monkeypatch.setattr(netns, "_netns_pids", lambda ns: [4242, 4243] if ns == racks.hosts[2].netns else [])
+    try:
+        found = {r.plan.name if r.plan else r.folder.name: r for r in netns.recorded_clusters()}
+        assert sorted(found) == ["building", "damaged", "part", "stale", "two-rack"]
+        assert found["two-rack"].pids == (4242, 4243) and not found["two-rack"].missing
+        assert not found["two-rack"].gone
+        assert found["part"].missing == (part.hosts[0].netns,) and not found["part"].gone
+        assert found["stale"].gone and found["stale"].holder is None
+        assert found["building"].holder == os.getpid() and found["building"].plan is None
+        assert found["damaged"].plan is None and found["damaged"].holder is None
+
+        assert main(["emulate", "list"]) == 0
+        out = capsys.readouterr().out
+        lines = {line.split()[0]: line for line in out.splitlines()}
+        racks_row = lines["two-rack"].split()
+        assert racks_row[1:6] == ["ddl-11-*", "4", "3", "12.5", "MB/s"] and "12.5 MB/s to 50 MB/s" in lines["two-rack"]
+        assert racks_row[9:14] == ["1500", "up", "2", "(pids", "4242,"], racks_row
+        assert f"up in part: {part.hosts[0].netns} gone (`down` removes the rest)" in lines["part"]
+        assert "gone: its namespaces no longer exist (`down` removes the record)" in lines["stale"]
+        assert f"being recorded, held by pid {os.getpid()} (a build, a job or a teardown)" in lines["building"]
+        assert f"unreadable record: remove the folder {tmp_path / 'damaged'}" in lines["damaged"]
+        assert "lock-only" not in out and "ddl emulate down CLUSTER (e.g. ddl emulate down part)" in out
+        with pytest.raises(BlockingIOError):                      # still held by this process alone
+            fcntl.flock(os.open(building / netns.LOCK_FILE, os.O_RDWR), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    shutil.rmtree(tmp_path)
+    tmp_path.mkdir()
+    assert main(["emulate", "list"]) == 0
+    assert capsys.readouterr().out == f"no emulated cluster is up (none is recorded in {tmp_path})\n"
+
+
 def test_ddl_s_warnings_are_one_line_on_the_command_line(capsys):
     import warnings
 
@@ -1112,6 +1172,11 @@ def test_run_uses_a_cluster_left_up_and_leaves_it_up(tmp_path):
         assert "is up, built with --scale 1, not the 0.5 asked for" in other.stderr
         again = ddl("up", "--no-check", path)
         assert again.returncode == 2 and "`ddl emulate run` and `ddl bench --emulate` use it" in again.stderr
+        listed = ddl("list")
+        assert listed.returncode == 0, listed.stderr
+        row = [line for line in listed.stdout.splitlines() if line.startswith(name + " ")]
+        assert len(row) == 1 and f"{tag}-*" in row[0] and row[0].split()[2:4] == ["2", "1"], listed.stdout
+        assert row[0].split()[-2:] == ["up", "none"], row[0]
         down = ddl("down", path)
         assert down.returncode == 0, down.stderr
         assert set(netns.list_namespaces()) == before and not state.exists()

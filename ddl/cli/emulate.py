@@ -3,6 +3,8 @@
 * ``ddl emulate up FILE`` builds the cluster (a namespace per host, a bridge per switch, shaped veths),
   checks the link rates, records it under /run/ddl-emulate/<name>-<hash>/ and prints how to enter each host;
 * ``ddl emulate down FILE`` (or the cluster's name) ends its processes and removes it;
+* ``ddl emulate list`` shows the clusters that are up (or recorded): their namespaces, hosts, link
+  rates, who is using them and what runs in their hosts;
 * ``ddl emulate run FILE [--no-check] -- CMD...`` builds, checks, runs CMD under ``mpiexec`` with ranks
   placed as the file's ``ranks`` say, and always tears down: on success, error, Ctrl-C, SIGTERM or
   SIGHUP. The exit status is CMD's (128 + N when ended by signal N). On a cluster that ``up`` left up
@@ -50,6 +52,13 @@ def register(subparsers):
                                    "and remove its namespaces.")
     p.add_argument("file", metavar="FILE", help="topology file, or the cluster's name")
     p.set_defaults(func=_ending_on_signals(cmd_down))
+
+    p = sub.add_parser("list", help="show the emulated clusters that are up",
+                       description="Show every emulated cluster recorded on this machine: its namespaces, "
+                                   "hosts, switches and link rates, whether it is up, which process is "
+                                   "building it, running a job on it or taking it down, and what runs in "
+                                   "its hosts. It only reads, so it never disturbs a run.")
+    p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("run", help="build, check, run CMD under mpiexec, tear down",
                        usage="%(prog)s [OPTIONS] FILE [OPTIONS] [--] CMD...",
@@ -152,6 +161,49 @@ def cmd_down(args):
     Cluster.load(state).down()
     print(f"cluster {name!r} is down")
     return 0
+
+
+def cmd_list(args):
+    from ..emulate.netns import STATE_ROOT, recorded_clusters
+    found = recorded_clusters()
+    if not found:
+        print(f"no emulated cluster is up (none is recorded in {STATE_ROOT})")
+        return 0
+    rows = [("cluster", "namespaces", "hosts", "switches", "links", "MTU", "state", "processes in its hosts")]
+    rows += [_listed(r, os.geteuid() == 0) for r in found]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    named = [r.plan.name for r in found if r.plan is not None]
+    if named:
+        print(f"take one down with: ddl emulate down CLUSTER (e.g. ddl emulate down {shlex.quote(named[0])})")
+    return 0
+
+
+def _listed(record, root):
+    """The row of ``ddl emulate list`` for one recorded cluster (``root``: whether the processes in
+    its hosts could all be seen)."""
+    held = f", held by pid {record.holder} (a build, a job or a teardown)" if record.holder is not None else ""
+    plan = record.plan
+    if plan is None:
+        state = (f"being recorded{held}" if record.holder is not None else
+                 f"unreadable record: remove the folder {record.folder}")
+        return (record.folder.name, "-", "-", "-", "-", "-", state, "-")
+    rates = [r for h in plan.hosts if h.switch for r in (h.rate_out, h.rate_in)]
+    rates += [r for u in plan.uplinks for r in (u.rate_ab, u.rate_ba)]
+    links = "-" if not rates else format_bandwidth(min(rates)) if min(rates) == max(rates) else \
+        f"{format_bandwidth(min(rates))} to {format_bandwidth(max(rates))}"
+    if record.gone:
+        state, running = "gone: its namespaces no longer exist (`down` removes the record)", "-"
+    else:
+        state = "up" if not record.missing else \
+            f"up in part: {', '.join(record.missing)} gone (`down` removes the rest)"
+        running = (f"{len(record.pids)} (pids {', '.join(map(str, record.pids[:8]))}"
+                   f"{' ...' if len(record.pids) > 8 else ''})" if record.pids else "none")
+        if not root:
+            running += " (not root: only your own are seen)"
+    return (plan.name, f"{plan.tag}-*", str(len(plan.hosts)), str(len(plan.bridges)), links, str(plan.mtu),
+            state + held, running)
 
 
 def _cluster_name(arg):

@@ -717,6 +717,82 @@ def live_cluster(state_dir):
     return None
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """A cluster recorded under :data:`STATE_ROOT`, as ``ddl emulate list`` shows it."""
+    folder: Path
+    plan: NetworkPlan = None    # None: no readable record (being built this instant, or a damaged file)
+    missing: tuple = ()         # its namespaces that no longer exist
+    holder: int = None          # the process holding its lock: building it, running a job on it, removing it
+    pids: tuple = ()            # processes running in its hosts
+
+    @property
+    def gone(self):
+        """Nothing of it is up: a stale record (its namespaces were deleted, or the machine rebooted
+        without clearing /run), which ``ddl emulate down`` removes."""
+        return self.plan is not None and len(self.missing) == len(self.plan.namespaces)
+
+
+def recorded_clusters():
+    """Every cluster recorded under :data:`STATE_ROOT`, by name, with what is up of it, who holds it and
+    what runs in its hosts. It only reads: no lock is taken (who holds one is read from /proc/locks), so
+    a build, run or teardown going on meanwhile is not disturbed."""
+    if not STATE_ROOT.is_dir():
+        return []
+    live = set(list_namespaces())
+    holders = _flock_holders()
+    found = []
+    try:
+        folders = sorted(p for p in STATE_ROOT.iterdir() if p.is_dir())
+    except OSError as exc:
+        raise Error(f"cannot read {STATE_ROOT}, where emulated clusters are recorded: {exc.strerror} "
+                    f"(run as root)") from None
+    for folder in folders:
+        holder = _lock_holder(folder / LOCK_FILE, holders)
+        try:
+            plan = NetworkPlan.from_dict(json.loads((folder / "state.json").read_text())["plan"])
+        except FileNotFoundError:
+            if holder is not None:       # (a folder with its lock file only holds nothing)
+                found.append(Recorded(folder, holder=holder))
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            found.append(Recorded(folder, holder=holder))
+            continue
+        missing = tuple(ns for ns in plan.namespaces if ns not in live)
+        pids = sorted(pid for ns, running in _host_pids(plan).items() if ns in live for pid in running)
+        found.append(Recorded(folder, plan, missing, holder, tuple(pids)))
+    return sorted(found, key=lambda r: (r.plan is None, r.plan.name if r.plan else r.folder.name))
+
+
+def _flock_holders():
+    """``{(device, inode): pid}`` of the files ``flock``-ed on this machine (/proc/locks; those waiting
+    for a lock, listed after ``->``, are left out)."""
+    holders = {}
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return holders
+    for line in lines:
+        words = line.split()
+        if len(words) < 6 or words[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = words[5].split(":")
+            holders[(os.makedev(int(major, 16), int(minor, 16)), int(inode))] = int(words[4])
+        except ValueError:
+            continue
+    return holders
+
+
+def _lock_holder(path, holders):
+    """The PID holding ``path``'s flock (see :func:`lock_state`), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return holders.get((st.st_dev, st.st_ino))
+
+
 def _check_idle(plan):
     """Refuse to run on a cluster in whose hosts processes still run: nobody holds its lock, so they
     are a job whose ``ddl emulate run`` was killed (or the user's own), and they would share the links
