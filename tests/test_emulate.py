@@ -576,6 +576,39 @@ def test_list_shows_each_recorded_cluster_as_it_is_without_taking_a_lock(tmp_pat
     assert capsys.readouterr().out == f"no emulated cluster is up (none is recorded in {tmp_path})\n"
 
 
+def test_down_all_takes_down_every_cluster_it_can_and_says_which_it_left(tmp_path, monkeypatch, capsys):
+    """``ddl emulate down --all``: each recorded cluster in turn; one held by another process (its
+    ``down`` refuses) and a damaged record are said on stderr and the exit status is 1, the others go."""
+    from ddl.cli import main
+    monkeypatch.setattr(netns, "STATE_ROOT", tmp_path)
+    monkeypatch.setattr(netns, "check_can_emulate", lambda tools=None: None)
+    monkeypatch.setattr(netns, "list_namespaces", lambda: [])
+    for topo in (small("a"), small("busy"), small("c")):
+        folder = netns.state_dir_for(topo.name)
+        folder.mkdir()
+        (folder / "state.json").write_text(json.dumps({"plan": plan_network(topo, "ddl-5").to_dict()}))
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "state.json").write_text("[]")
+    taken = []
+
+    def down(cluster):
+        if cluster.plan.name == "busy":
+            raise Error("emulated cluster 'busy' is being built, run or removed by another process (pid 7)")
+        taken.append(cluster.plan.name)
+    monkeypatch.setattr(Cluster, "down", down)
+    assert main(["emulate", "down", "--all"]) == 1
+    out, err = capsys.readouterr()
+    assert taken == ["a", "c"] and out == "cluster 'a' is down\ncluster 'c' is down\n"
+    assert err.splitlines() == [
+        "ddl emulate down: left 'busy': emulated cluster 'busy' is being built, run or removed by another "
+        "process (pid 7)",
+        f"ddl emulate down: left damaged: its record cannot be read; remove the folder {tmp_path / 'damaged'}"]
+    for argv, said in ((["emulate", "down"], "which cluster? give its topology file or its name"),
+                       (["emulate", "down", "a", "--all"], "give a or --all, not both")):
+        assert main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_ddl_s_warnings_are_one_line_on_the_command_line(capsys):
     import warnings
 

@@ -48,9 +48,14 @@ def register(subparsers):
     p.set_defaults(func=_ending_on_signals(cmd_up))
 
     p = sub.add_parser("down", help="remove an emulated cluster",
+                       usage="%(prog)s [-h] (FILE | --all)",
                        description="End the processes of the cluster built from FILE (or named NAME) "
-                                   "and remove its namespaces.")
-    p.add_argument("file", metavar="FILE", help="topology file, or the cluster's name")
+                                   "and remove its namespaces; with --all, of every cluster that "
+                                   "`ddl emulate list` shows.")
+    p.add_argument("file", metavar="FILE", nargs="?", help="topology file, or the cluster's name")
+    p.add_argument("--all", action="store_true",
+                   help="every emulated cluster on this machine (one that another process is building, "
+                        "running a job on or taking down is left to it, and said)")
     p.set_defaults(func=_ending_on_signals(cmd_down))
 
     p = sub.add_parser("list", help="show the emulated clusters that are up",
@@ -153,14 +158,48 @@ def cmd_up(args):
 
 def cmd_down(args):
     from ..emulate.netns import TEARDOWN_TOOLS, Cluster, check_can_emulate, state_dir_for
-    name = _cluster_name(args.file)
+    if args.file is None and not args.all:
+        raise Error("which cluster? give its topology file or its name (`ddl emulate list` shows them), "
+                    "or --all for every one")
+    if args.file is not None and args.all:
+        raise Error(f"give {args.file} or --all, not both")
     check_can_emulate(TEARDOWN_TOOLS)
+    if args.all:
+        return _down_all()
+    name = _cluster_name(args.file)
     state = state_dir_for(name)
     if not (state / "state.json").exists():
         raise Error(f"no emulated cluster {name!r} is up (nothing recorded in {state})")
     Cluster.load(state).down()
     print(f"cluster {name!r} is down")
     return 0
+
+
+def _down_all():
+    """``ddl emulate down --all``: every recorded cluster, one after the other; one that cannot be taken
+    down (another process holds it, or a damaged record) is said on stderr and the others still go.
+    Exit status 1 when any is left."""
+    from ..emulate.netns import STATE_ROOT, Cluster, recorded_clusters
+    found = recorded_clusters()
+    if not found:
+        print(f"no emulated cluster is up (none is recorded in {STATE_ROOT})")
+        return 0
+    left = 0
+    for record in found:
+        if record.plan is None:
+            left += 1
+            why = (f"being recorded by pid {record.holder}" if record.holder is not None else
+                   f"its record cannot be read; remove the folder {record.folder}")
+            print(f"ddl emulate down: left {record.folder.name}: {why}", file=sys.stderr)
+            continue
+        try:
+            Cluster.load(record.folder).down()
+        except Error as exc:
+            left += 1
+            print(f"ddl emulate down: left {record.plan.name!r}: {exc}", file=sys.stderr)
+        else:
+            print(f"cluster {record.plan.name!r} is down")
+    return 1 if left else 0
 
 
 def cmd_list(args):
