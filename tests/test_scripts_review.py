@@ -157,6 +157,18 @@ def test_mpi_benchmarks_print_their_tables():
     assert lines[-3].split()[-4:] == ["ddl", "CPU", "MPI", "CPU"], out
     row = lines[-2].split()
     assert row[:4] == ["8", "B", "6", "inline"] and row[-1] == "us" and float(row[-2]) > 0, out
+    # --board: the bare exchange through ddl's board, checked against MPI's result, then timed beside them;
+    # ddl's own calls go on after it (its sequence numbers), so a later size still agrees
+    rc, out, _ = run_mpi(2, "benchmarks/bench_overhead.py", "--sizes", "8,4KiB", "--iters", "6,6", "--rounds",
+                         "2", "--board", timeout=180, mpi4py_main=False)
+    assert rc == 0, out
+    lines = out.strip().splitlines()
+    assert lines[-3].split()[-6:] == ["MPI", "CPU", "board", "board/MPI", "board", "CPU"], out
+    assert [line.split()[:4] for line in lines[-2:]] == [["8", "B", "6", "inline"], ["4", "KiB", "6", "inline"]]
+    assert all(float(line.split()[-5]) > 0 and float(line.split()[-3]) > 0 for line in lines[-2:]), out
+    rc, out, _ = run_mpi(2, "benchmarks/bench_overhead.py", "--sizes", "2MiB", "--iters", "2", "--board",
+                         timeout=180, mpi4py_main=False)
+    assert rc == 2 and out.count("--board needs every rank on one host") == 1, out
     rc, out, _ = run_mpi(2, "benchmarks/bench_small.py", "--iters", "4", "--rounds", "2", timeout=180,
                          mpi4py_main=False)
     assert rc == 0 and "2 ranks, 8 B per rank (inline" in out, out
