@@ -759,7 +759,7 @@ def recorded_clusters():
             found.append(Recorded(folder, holder=holder))
             continue
         missing = tuple(ns for ns in plan.namespaces if ns not in live)
-        pids = sorted(pid for ns, running in _host_pids(plan).items() if ns in live for pid in running)
+        pids = sorted(pid for h in plan.hosts if h.netns in live for pid in _netns_pids(h.netns))
         found.append(Recorded(folder, plan, missing, holder, tuple(pids)))
     return sorted(found, key=lambda r: (r.plan is None, r.plan.name if r.plan else r.folder.name))
 
