@@ -152,7 +152,6 @@ def _bare_board(comm, board, signature, send, recv):
     board.finish(seq)
 
 
-
 def _fmt(seconds):
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
