@@ -193,7 +193,7 @@ def _down_all():
             print(f"ddl emulate down: left {record.folder.name}: {why}", file=sys.stderr)
             continue
         try:
-            Cluster.load(record.folder).down()
+            Cluster(record.plan, record.folder).down()    # (its record, read once by recorded_clusters)
         except Error as exc:
             left += 1
             print(f"ddl emulate down: left {record.plan.name!r}: {exc}", file=sys.stderr)

@@ -423,6 +423,11 @@ def new_tag():
     return tag
 
 
+def recorded_plan(state_dir):
+    """The :class:`NetworkPlan` a cluster recorded in ``state_dir`` (FileNotFoundError: none is)."""
+    return NetworkPlan.from_dict(json.loads((Path(state_dir) / "state.json").read_text())["plan"])
+
+
 def list_namespaces():
     """Names of the network namespaces ``ip netns`` knows."""
     out = _sh(["ip", "netns", "list"], check=False).stdout
@@ -493,12 +498,10 @@ class Cluster:
 
     @classmethod
     def load(cls, state_dir):
-        path = Path(state_dir) / "state.json"
         try:
-            data = json.loads(path.read_text())
+            return cls(recorded_plan(state_dir), state_dir)
         except FileNotFoundError:
             raise Error(f"no emulated cluster recorded in {state_dir} (is it up?)") from None
-        return cls(NetworkPlan.from_dict(data["plan"]), state_dir)
 
     def _save(self):
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -750,7 +753,7 @@ def recorded_clusters():
     for folder in folders:
         holder = _lock_holder(folder / LOCK_FILE, holders)
         try:
-            plan = NetworkPlan.from_dict(json.loads((folder / "state.json").read_text())["plan"])
+            plan = recorded_plan(folder)
         except FileNotFoundError:
             if holder is not None:       # (a folder with its lock file only holds nothing)
                 found.append(Recorded(folder, holder=holder))
@@ -759,8 +762,8 @@ def recorded_clusters():
             found.append(Recorded(folder, holder=holder))
             continue
         missing = tuple(ns for ns in plan.namespaces if ns not in live)
-        pids = sorted(pid for h in plan.hosts if h.netns in live for pid in _netns_pids(h.netns))
-        found.append(Recorded(folder, plan, missing, holder, tuple(pids)))
+        running = _host_pids(plan, live)
+        found.append(Recorded(folder, plan, missing, holder, tuple(sorted(p for ps in running.values() for p in ps))))
     return sorted(found, key=lambda r: (r.plan is None, r.plan.name if r.plan else r.folder.name))
 
 
@@ -896,9 +899,10 @@ def _end_processes(ns, grace=2.0):
             time.sleep(0.05)
 
 
-def _host_pids(plan):
-    """``{namespace: PIDs}`` of the cluster's hosts that have processes running in them."""
-    running = {h.netns: _netns_pids(h.netns) for h in plan.hosts}
+def _host_pids(plan, live=None):
+    """``{namespace: PIDs}`` of the cluster's hosts that have processes running in them (``live``: the
+    namespaces that exist, where some may be gone; only those are asked)."""
+    running = {h.netns: _netns_pids(h.netns) for h in plan.hosts if live is None or h.netns in live}
     return {ns: pids for ns, pids in running.items() if pids}
 
 
