@@ -83,8 +83,6 @@ __all__ = ["Simulation", "Outpaced", "simulate", "max_min_rates"]
 RTOL = 1e-9
 # Absolute floor of that tolerance, in seconds.
 ATOL = 1e-18
-# Regions of more bundles than this get their rates from numpy, smaller ones in plain Python.
-NUMPY_BUNDLES = 48
 # Relative slack of the optimality checks of the rate repair (see _repair).
 _CHECK = 1e-7
 # With a ceiling, links that carry at least this fraction of the busiest link's time are watched ...
@@ -230,6 +228,10 @@ def max_min_rates(flow_links, capacity, weights=None, bottlenecks=False):
     link it crosses, and these never sum to more than a link's capacity. Rows without links get ``inf``.
     With ``bottlenecks=True`` returns ``(rates, links)``: for every row a link (index into
     ``capacity``) that is saturated and on which no row is faster (-1 for rows without links).
+
+    The simulator keeps the same rates up to date region by region as flows come and go
+    (:func:`_repair`); this computes them for a whole set of flows at once, from scratch, and is what
+    the tests hold the simulator's rates to.
     """
     nflows = flow_links.shape[0]
     rate = np.zeros(nflows)
@@ -346,56 +348,52 @@ def _fill_region(region, st):
 
     ``st.load[l]`` is the current usage of link ``l`` by all bundles. Returns ``({bundle: per-flow
     rate}, {bundle: bottleneck link}, {link: region bundles on it})``. A link that carries one bundle of
-    the region only caps that bundle, so only links shared within the region take part in the (Python)
-    filling; large regions go to :func:`max_min_rates` (numpy), on the state's padded link table.
+    the region only caps that bundle, so only links shared within the region take part in the filling.
+
+    Plain Python at every size: a region's filling takes one step per level at which links fill, and
+    the vectorised :func:`max_min_rates` pays a dozen numpy calls for each, which cost more than the
+    heap below where links fill at many levels, as a packing's do. Handing regions of more than 48
+    bundles to it, as the simulator once did, took 17-20 s of CPU to simulate tree-packing's 256 MiB
+    allreduce on the leaf-spine cluster instead of 11-15 s (alternating runs); the heap's entries left
+    in place until popped (below) then took it to 8-10 s. (Hierarchical's regions at 1024 ranks fill
+    in few levels, and numpy was a little faster there: 7.0-7.3 s a simulation against 7.1-7.7 s.)
     """
     bundle_links, weight, rate, load, capacity = st.links, st.m, st.rate, st.load, st.cap
-    members = {}
+    members, freed, flows = {}, {}, {}     # per link: region bundles, their usage, their flows
     for b in region:
+        w = weight[b]
+        use = w * rate[b]
         for l in bundle_links[b]:
             mem = members.get(l)
             if mem is None:
                 members[l] = [b]
+                freed[l] = use
+                flows[l] = w
             else:
                 mem.append(b)
-    residual = {}
-    for l, mem in members.items():
-        used = load[l]
-        for x in mem:
-            used -= weight[x] * rate[x]
-        r = capacity[l] - used
-        residual[l] = r if r > 0.0 else 0.0
-    if len(region) > NUMPY_BUNDLES:
-        order = list(region)
-        residual_of = np.zeros(len(capacity))
-        residual_of[list(residual)] = list(residual.values())
-        rates, neck = max_min_rates(st.link_table[order], residual_of, [weight[b] for b in order], bottlenecks=True)
-        return dict(zip(order, rates.tolist())), dict(zip(order, neck.tolist())), members
+                freed[l] += use
+                flows[l] += w
     # Progressive filling as a sequence of events in the common level: a bundle reaches the cap of
     # the links it has to itself, or a shared link fills up (at level remaining / unfrozen flows).
+    # A shared link's level only rises as flows through it freeze (each at a level no higher than
+    # the link's), so its entry in the heap stays where it is until popped, and is pushed again then
+    # if the link has risen since: far fewer pushes than one per change.
     heappush, heappop = heapq.heappush, heapq.heappop
     todo = []                      # (level, kind, id): kind 0 = bundle cap, 1 = shared link full
-    at_cap = {}
-    for b in region:
-        lim, at = math.inf, -1
-        for l in bundle_links[b]:
-            if len(members[l]) == 1:
-                c = residual[l]
-                if c < lim:
-                    lim, at = c, l
-        if at >= 0:
-            todo.append((lim / weight[b], 0, b))
-            at_cap[b] = at
-    flows = {}                     # shared link -> unfrozen flows on it
-    due = {}                       # shared link -> the level of its live entry in todo
+    residual, lim, at_cap = {}, {}, {}
     for l, mem in members.items():
+        r = capacity[l] - (load[l] - freed[l])
+        r = residual[l] = r if r > 0.0 else 0.0
         if len(mem) > 1:
-            w = 0
-            for x in mem:
-                w += weight[x]
-            flows[l] = w
-            due[l] = residual[l] / w
-            todo.append((due[l], 1, l))
+            todo.append((r / flows[l], 1, l))
+        else:                      # the first of a bundle's own links with the least room caps it
+            del flows[l]
+            b = mem[0]
+            if r < lim.get(b, math.inf):
+                lim[b] = r
+                at_cap[b] = l
+    for b, r in lim.items():
+        todo.append((r / weight[b], 0, b))
     heapq.heapify(todo)
     rates, neck = {}, {}
     left = len(region)
@@ -406,9 +404,14 @@ def _fill_region(region, st):
                 continue
             frozen, at = (x,), at_cap[x]
         else:
-            if due.get(x) != level:        # stale: the link changed since (compare the key pushed, not
-                continue                   # a recomputed quotient, which rounding may move)
-            del flows[x], due[x]
+            c = flows.get(x)
+            if c is None:                  # full already, or all its flows frozen elsewhere
+                continue
+            due = residual[x] / c
+            if due > level:                # risen since it was pushed
+                heappush(todo, (due, 1, x))
+                continue
+            del flows[x]
             frozen, at = [b for b in members[x] if b not in rates], x
         for b in frozen:
             rates[b] = level
@@ -420,18 +423,12 @@ def _fill_region(region, st):
                 c = flows.get(l)
                 if c is not None:
                     c -= w
-                    r = residual[l] - use
-                    residual[l] = r if r > 0.0 else 0.0
                     if c:
                         flows[l] = c
-                        nxt = residual[l] / c
-                        if nxt < level:
-                            nxt = level
-                            residual[l] = level * c
-                        due[l] = nxt
-                        heappush(todo, (nxt, 1, l))
+                        r = residual[l] - use
+                        residual[l] = r if r > 0.0 else 0.0
                     else:
-                        del flows[l], due[l]
+                        del flows[l]
     return rates, neck, members
 
 
@@ -527,10 +524,6 @@ class _State:
     def __init__(self, fabric):
         nb, nl = len(fabric.bundle_links), len(fabric.caps)
         self.links = fabric.bundle_links       # bundle -> its links
-        hops = max(map(len, self.links), default=0)
-        self.link_table = np.full((nb, hops), -1, dtype=np.int64)   # the same, padded with -1 (numpy)
-        for b, ids in enumerate(self.links):
-            self.link_table[b, :len(ids)] = ids
         self.cap = fabric.caps
         self.m = [0] * nb                      # active flows of the bundle
         self.v = [0.0] * nb                    # virtual time: bytes served per flow ...

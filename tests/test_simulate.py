@@ -469,6 +469,48 @@ def test_max_min_rates_progressive_filling():
                                                      * (mat >= 0))[mat >= 0]) <= cap * (1 + 1e-12))
 
 
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_filling_a_large_region_gives_the_max_min_fair_rates(data):
+    """The simulator's filling of a region (a heap whose entries stay until popped), on regions of
+    up to 300 bundles over shared links, against :func:`max_min_rates`, with part of every link's
+    capacity held by bundles outside the region and the region's own old usage still in the load."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    nlinks = int(rng.integers(2, 60))
+    nbundles = int(rng.integers(2, 300))
+    cap = rng.uniform(1.0, 100.0, nlinks)
+    bundle_links = [tuple(int(l) for l in rng.choice(nlinks, size=int(rng.integers(1, min(nlinks, 6) + 1)),
+                                                      replace=False)) for _ in range(nbundles)]
+    weight = [int(w) for w in rng.integers(1, 5, nbundles)]
+    old_rate = rng.uniform(0.0, 10.0, nbundles).tolist()
+    outside = cap * rng.uniform(0.0, 0.9, nlinks) * rng.integers(0, 2, nlinks)   # held by others
+    load = outside.copy()
+    for b, links in enumerate(bundle_links):
+        for l in links:
+            load[l] += weight[b] * old_rate[b]
+    state = type("State", (), dict(links=bundle_links, m=weight, rate=old_rate, load=load.tolist(),
+                                   cap=cap.tolist()))()
+    rates, neck, members = simulate_module._fill_region(set(range(nbundles)), state)
+
+    table = np.full((nbundles, max(map(len, bundle_links))), -1)
+    for b, links in enumerate(bundle_links):
+        table[b, :len(links)] = links
+    expected = max_min_rates(table, cap - outside, weight)
+    got = np.array([rates[b] for b in range(nbundles)])
+    assert np.allclose(got, expected, rtol=1e-9, atol=0.0)
+    assert {l: sorted(m) for l, m in members.items()} == {
+        l: sorted(b for b in range(nbundles) if l in bundle_links[b]) for l in set(table[table >= 0].tolist())}
+    used = outside.copy()
+    for b, links in enumerate(bundle_links):
+        for l in links:
+            used[l] += weight[b] * got[b]
+    for b in range(nbundles):
+        l = neck[b]
+        assert l in bundle_links[b]
+        assert used[l] >= cap[l] * (1 - 1e-9)          # its bottleneck is full ...
+        assert all(got[x] <= got[b] * (1 + 1e-9) for x in members[l])   # ... and no flow on it is faster
+
 # ------------------------------------------------------------------------------- costs that add up
 def test_reductions_run_one_at_a_time_on_a_rank():
     B, lat, N, R = 1000 * GB, 1 * US, 30e6, 5 * GB
