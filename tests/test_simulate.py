@@ -469,7 +469,6 @@ def test_max_min_rates_progressive_filling():
                                                      * (mat >= 0))[mat >= 0]) <= cap * (1 + 1e-12))
 
 
-
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_filling_a_large_region_gives_the_max_min_fair_rates(data):
@@ -485,11 +484,16 @@ def test_filling_a_large_region_gives_the_max_min_fair_rates(data):
     weight = [int(w) for w in rng.integers(1, 5, nbundles)]
     old_rate = rng.uniform(0.0, 10.0, nbundles).tolist()
     outside = cap * rng.uniform(0.0, 0.9, nlinks) * rng.integers(0, 2, nlinks)   # held by others
-    load = outside.copy()
-    for b, links in enumerate(bundle_links):
-        for l in links:
-            load[l] += weight[b] * old_rate[b]
-    state = type("State", (), dict(links=bundle_links, m=weight, rate=old_rate, load=load.tolist(),
+
+    def usage(rates):
+        """Every link's load: the part held outside the region, and the region's at these rates."""
+        used = outside.copy()
+        for b, links in enumerate(bundle_links):
+            for l in links:
+                used[l] += weight[b] * rates[b]
+        return used
+
+    state = type("State", (), dict(links=bundle_links, m=weight, rate=old_rate, load=usage(old_rate).tolist(),
                                    cap=cap.tolist()))()
     rates, neck, members = simulate_module._fill_region(set(range(nbundles)), state)
 
@@ -501,15 +505,13 @@ def test_filling_a_large_region_gives_the_max_min_fair_rates(data):
     assert np.allclose(got, expected, rtol=1e-9, atol=0.0)
     assert {l: sorted(m) for l, m in members.items()} == {
         l: sorted(b for b in range(nbundles) if l in bundle_links[b]) for l in set(table[table >= 0].tolist())}
-    used = outside.copy()
-    for b, links in enumerate(bundle_links):
-        for l in links:
-            used[l] += weight[b] * got[b]
+    used = usage(got)
     for b in range(nbundles):
         l = neck[b]
         assert l in bundle_links[b]
         assert used[l] >= cap[l] * (1 - 1e-9)          # its bottleneck is full ...
         assert all(got[x] <= got[b] * (1 + 1e-9) for x in members[l])   # ... and no flow on it is faster
+
 
 # ------------------------------------------------------------------------------- costs that add up
 def test_reductions_run_one_at_a_time_on_a_rank():
