@@ -37,7 +37,7 @@ from pathlib import Path
 from .errors import PlanError, ScheduleError
 from .schedule import COLLECTIVES, Schedule, gc_paused, write_file
 from .settings import env_flag
-from .simulate import Outpaced, simulate
+from .simulate import Outpaced, simulate, simulated
 from .units import counted, message_size
 from .verify import Abandoned, verify
 
@@ -608,11 +608,18 @@ def _predict(topo, schedules, nbytes, workers, prune=False, slack=1.0, fastest=m
       seconds, would otherwise be proved after it).
 
     A proof is abandoned as soon as its schedule can no longer win (outpaced, or overtaken), and is
-    made once: a worker leaves it to one that has started it."""
+    made once: a worker leaves it to one that has started it.
+
+    In one process the quickest simulations come first: those already run (an algorithm that chose
+    among variants of its own by simulating them) and then the smallest schedules. The fastest of
+    them is the ceiling the large ones must beat, so a large one that cannot is stopped at its first
+    checks instead of being simulated to its end (the 1024-rank ring's 4.2 million operations, whose
+    busiest link alone takes longer than hierarchical's whole run)."""
     if not _can_fork(workers, len(schedules)) or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS:
         sims, outpaced, best = {}, {}, fastest
-        for name, sched in schedules.items():
-            result = _simulated(topo, sched, nbytes, (lambda: best * slack) if prune else None)
+        quickest_first = sorted(schedules, key=lambda n: 0 if simulated(topo, schedules[n], nbytes) else schedules[n].nops)
+        for name in quickest_first:
+            result = _simulated(topo, schedules[name], nbytes, (lambda: best * slack) if prune else None)
             if isinstance(result, Outpaced):
                 outpaced[name] = result.at_least
             else:
@@ -639,8 +646,9 @@ def _predict(topo, schedules, nbytes, workers, prune=False, slack=1.0, fastest=m
 
 class _Shared:
     """What the forked workers of one prediction share: the candidates, the fastest time so far and
-    which candidate set it, and per candidate whether it can no longer win and whether a worker has
-    taken its proof."""
+    which candidate set it, and per candidate whether it can no longer win, whether its simulation has
+    shown it may (it passed a check against that time, or ended), and whether a worker has taken its
+    proof."""
 
     def __init__(self, topo, schedules, nbytes, prune, names, slack=1.0, fastest=math.inf):
         self.topo, self.schedules, self.nbytes, self.prune, self.slack = topo, schedules, nbytes, prune, slack
@@ -648,6 +656,7 @@ class _Shared:
         self.fastest = multiprocessing.Value("d", fastest)
         self.leader = multiprocessing.RawValue("i", -1)        # written under fastest's lock
         self.lost = multiprocessing.RawArray("b", len(names))    # single bytes: no lock needed to read
+        self.contending = multiprocessing.RawArray("b", len(names))
         self.taken = multiprocessing.Array("b", len(names))
 
     def take(self, i):
@@ -680,8 +689,20 @@ def _simulate_forked(name):
     """``(Simulation or Outpaced, proof or None)`` in a worker (see :func:`_predict`)."""
     shared = _FORKED
     i = shared.index[name]
-    ceiling = (lambda: shared.fastest.value * shared.slack) if shared.prune else None
-    result = _simulated(shared.topo, shared.schedules[name], shared.nbytes, ceiling)
+    checks = []
+
+    def ceiling():                      # a second call: the run passed its first check (see simulate)
+        checks.append(1)
+        if len(checks) == 2:
+            shared.contending[i] = 1
+        return shared.fastest.value * shared.slack
+    try:
+        result = _simulated(shared.topo, shared.schedules[name], shared.nbytes, ceiling if shared.prune else None)
+    except BaseException:
+        shared.lost[i] = 1
+        raise
+    finally:
+        shared.contending[i] = 1
     if isinstance(result, Outpaced):
         shared.lost[i] = 1
         return result, None
@@ -699,9 +720,16 @@ def _simulate_forked(name):
 
 def _prove_forked(name):
     """In a worker with no simulation left to start: the proof of ``name`` if it may still win and no
-    other worker has taken it, else None (see :func:`_predict`)."""
+    other worker has taken it, else None (see :func:`_predict`).
+
+    With pruning, it waits until the simulation has passed a check against the fastest time (or
+    ended): until then nothing says the schedule may win, and a large loser is typically stopped at
+    its first check, once set up (at 1024 ranks the ring was, 0.1 s after a worker had begun its
+    proof, which then spent 7 s on the ring's dataflow before it could be told)."""
     shared = _FORKED
     i = shared.index[name]
+    while shared.prune and not (shared.contending[i] or shared.lost[i]):
+        time.sleep(0.01)
     if shared.lost[i] or not shared.take(i):
         return None
     return shared.prove(name)

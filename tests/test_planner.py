@@ -1,8 +1,10 @@
 """The planner's choice: which candidates it builds, and that simulating them in parallel changes nothing."""
+import concurrent.futures
 import functools
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import ddl.planner as planner_module
 from ddl.bounds import Bound
 from ddl.errors import ScheduleError
 from ddl.schedule import Schedule
+from ddl.simulate import Outpaced, simulate
 from ddl.cli import main
 from ddl.planner import Planner, flat_topology
 from ddl.topology import Topology
@@ -141,6 +144,82 @@ def test_workers_prove_the_fastest_schedule(monkeypatch):
     assert set(proved) <= set(sims) and all(p is True for p in proved.values())
 
 
+def test_one_process_simulates_the_quickest_first_so_that_large_losers_stop(monkeypatch):
+    # hierarchical's run is already known (it simulated its variants to choose one), halving-doubling
+    # has half the ring's operations: simulated in that order, hierarchical's time is the ceiling
+    # from the start and the two others, both slower, are stopped instead of run to their end
+    planner, nbytes = _planner("fat-tree-4x4-r8"), 256 << 20
+    schedules = {name: planner._build(name, "allreduce", nbytes, 0)
+                 for name in ("ring", "halving-doubling", "hierarchical")}
+    assert schedules["halving-doubling"].nops < schedules["ring"].nops
+    order, simulated = [], planner_module._simulated
+    names = {id(sched): name for name, sched in schedules.items()}
+
+    def spy(topo, sched, size, ceiling):
+        order.append(names[id(sched)])
+        return simulated(topo, sched, size, ceiling)
+
+    monkeypatch.setattr(planner_module, "_simulated", spy)
+    sims, outpaced, _ = planner_module._predict(planner.topo, schedules, nbytes, 1, prune=True)
+    assert order == ["hierarchical", "halving-doubling", "ring"]
+    assert set(sims) == {"hierarchical"} and set(outpaced) == {"halving-doubling", "ring"}
+    full = {name: simulate(planner.topo, sched, nbytes).seconds for name, sched in schedules.items()}
+    for name, at_least in outpaced.items():
+        assert sims["hierarchical"].seconds < at_least <= full[name] * (1 + 1e-9), name
+
+
+def _shared_prediction(monkeypatch, prune=True):
+    """The state forked workers of a prediction share, set up in this process for one ring."""
+    planner = _planner("fat-tree-4x4-r8")
+    ring = planner._build("ring", "allreduce", 16 << 20, 0)
+    shared = planner_module._Shared(planner.topo, {"ring": ring}, 16 << 20, prune, ["ring"])
+    monkeypatch.setattr(planner_module, "_FORKED", shared)
+    return shared
+
+
+def test_a_worker_proves_a_schedule_still_simulated_only_once_it_has_passed_a_check(monkeypatch):
+    # a large loser is usually stopped at its first check, once set up: a free worker that began its
+    # proof sooner would spend its own set-up (the dataflow: 7 s for the 1024-rank ring) on a loser
+    proving = []
+    monkeypatch.setattr(planner_module._Shared, "prove", lambda self, name: proving.append(name) or True)
+    shared = _shared_prediction(monkeypatch)
+    waiter = concurrent.futures.ThreadPoolExecutor(1)
+    waiting = waiter.submit(planner_module._prove_forked, "ring")
+    time.sleep(0.2)
+    assert not waiting.done() and proving == []
+    shared.lost[0] = 1                       # stopped at its first check: no proof at all
+    assert waiting.result(timeout=5) is None and proving == []
+    shared = _shared_prediction(monkeypatch)
+    waiting = waiter.submit(planner_module._prove_forked, "ring")
+    time.sleep(0.2)
+    assert not waiting.done()
+    shared.contending[0] = 1                 # it passed a check: it may win, prove it beside its run
+    assert waiting.result(timeout=5) is True and proving == ["ring"]
+    _shared_prediction(monkeypatch, prune=False)    # nothing is stopped: no reason to wait
+    assert planner_module._prove_forked("ring") is True and proving == ["ring", "ring"]
+    waiter.shutdown()
+
+
+def test_a_simulation_in_a_worker_contends_from_its_second_check(monkeypatch):
+    shared = _shared_prediction(monkeypatch)
+    seen = []
+
+    def run(topo, sched, nbytes, ceiling):   # a run that checks three times
+        for _ in range(3):
+            ceiling()
+            seen.append(shared.contending[0])
+        return simulate(topo, sched, nbytes)
+
+    monkeypatch.setattr(planner_module, "_simulated", run)
+    result, proof = planner_module._simulate_forked("ring")
+    assert seen == [0, 1, 1] and proof is True           # it led, so it proved itself
+    shared = _shared_prediction(monkeypatch)
+    monkeypatch.setattr(planner_module, "_simulated", lambda topo, sched, nbytes, ceiling: ceiling() and Outpaced(1.0))
+    result, proof = planner_module._simulate_forked("ring")
+    assert isinstance(result, Outpaced) and proof is None
+    assert shared.lost[0] == 1 and shared.contending[0] == 1     # ended: a waiting worker moves on
+
+
 def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
     # a ring allreduce cut after its reduce-scatter half simulates (every send has its receive) and
     # is the fastest, but leaves ranks without the sum: the proof fails, and the plan with it
@@ -264,12 +343,17 @@ def test_nothing_to_move_has_a_zero_bound_and_is_not_cached(capsys, tmp_path, mo
 
 def test_plan_text_and_json_show_what_was_stopped_early(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("DDL_CACHE_DIR", str(tmp_path))
+    def why(name):
+        assert main(["plan", str(ZOO / f"{name}.yaml"), "--workers", "1", "--bytes", "16MiB"]) == 0
+        out = capsys.readouterr().out
+        assert "vs ring" in out and "stopped once it could not win" in out
+        return next(line for line in out.splitlines() if line.startswith("why"))
+
+    # some candidates run to their end, some stopped; every one stopped (hierarchical's own run,
+    # known from its build, is the ceiling of all the others there)
+    assert re.search(r"next best run to its end \(.*\d+ more were stopped once", why("dgx-a100"))
+    assert "; every other was stopped once it could not win" in why("fat-tree-4x4-r8")
     args = ["plan", str(ZOO / "fat-tree-4x4-r8.yaml"), "--workers", "1", "--bytes", "16MiB"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "vs ring" in out and "stopped once it could not win" in out
-    why = next(line for line in out.splitlines() if line.startswith("why"))
-    assert "next best run to its end" in why and "stopped once" in why
     assert main(args + ["--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["outpaced"] and set(record["outpaced"]).isdisjoint(record["baselines"])

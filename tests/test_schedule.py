@@ -388,12 +388,23 @@ def test_span_schedules_verify_and_errors_name_the_span():
 
 def test_a_proof_stops_when_asked():
     from ddl.verify import Abandoned
-    sched = ring_allreduce(40, k=24)                  # 149760 operations: first asked after 65536
+    sched = ring_allreduce(40, k=24)                  # 149760 operations
     asked = []
-    with pytest.raises(Abandoned):
-        verify(sched, stop=lambda: asked.append(1) or True)
-    assert asked == [1]
-    assert verify(sched, stop=lambda: False).nops == sched.nops
+
+    def stop_at(call):                                # says yes at its call-th call
+        return lambda: asked.append(1) or len(asked) >= call
+
+    with pytest.raises(Abandoned, match="before it started"):
+        verify(sched, stop=stop_at(1))
+    assert "dataflow" not in sched.__dict__           # nothing was built
+    for call, when in ((2, "after the dataflow"), (3, "after the initial state"), (4, "after 65536 operations"),
+                       (5, "after 131072 operations")):
+        asked.clear()
+        with pytest.raises(Abandoned, match=when):
+            verify(sched, stop=stop_at(call))
+        assert len(asked) == call
+    asked.clear()
+    assert verify(sched, stop=stop_at(6)).nops == sched.nops and len(asked) == 5
 
 
 # ---- serialisation ------------------------------------------------------------------------------------
