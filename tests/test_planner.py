@@ -218,6 +218,30 @@ def test_a_simulation_in_a_worker_contends_from_its_second_check(monkeypatch):
     result, proof = planner_module._simulate_forked("ring")
     assert isinstance(result, Outpaced) and proof is None
     assert shared.lost[0] == 1 and shared.contending[0] == 1     # ended: a waiting worker moves on
+    shared = _shared_prediction(monkeypatch)
+
+    def fails(topo, sched, nbytes, ceiling):
+        raise ScheduleError("deadlock")
+
+    monkeypatch.setattr(planner_module, "_simulated", fails)
+    with pytest.raises(ScheduleError):
+        planner_module._simulate_forked("ring")
+    assert shared.lost[0] == 1 and shared.contending[0] == 1     # failed: nobody waits to prove it
+
+
+def test_workers_raise_when_a_simulation_fails(monkeypatch):
+    # ranks 0 and 1 each receive chunk 0 before they send it: the simulation raises (deadlock) in its
+    # worker, and the prediction with it (see the next tests for what a waiting prover hears)
+    from ddl.schedule import Op
+    monkeypatch.setattr(planner_module, "PARALLEL_MIN_OPS", 0)
+    planner = _planner("fat-tree-4x4-r8")
+    programs = [()] * planner.topo.nranks
+    programs[0] = (Op("recv", 0, 1), Op("send", 0, 1))
+    programs[1] = (Op("recv", 0, 0), Op("send", 0, 0))
+    stuck = Schedule("allreduce", planner.topo.nranks, (1,), tuple(programs))
+    schedules = {"stuck": stuck, "ring": planner._build("ring", "allreduce", 16 << 20, 0)}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        planner_module._predict(planner.topo, schedules, 16 << 20, 2, prune=True)
 
 
 def test_workers_raise_when_the_fastest_schedule_fails_its_proof(monkeypatch):
