@@ -617,7 +617,8 @@ def _predict(topo, schedules, nbytes, workers, prune=False, slack=1.0, fastest=m
     busiest link alone takes longer than hierarchical's whole run)."""
     if not _can_fork(workers, len(schedules)) or sum(s.nops for s in schedules.values()) < PARALLEL_MIN_OPS:
         sims, outpaced, best = {}, {}, fastest
-        quickest_first = sorted(schedules, key=lambda n: 0 if simulated(topo, schedules[n], nbytes) else schedules[n].nops)
+        quickest_first = sorted(schedules, key=lambda n: 0 if simulated(topo, schedules[n], nbytes)
+                                else schedules[n].nops)
         for name in quickest_first:
             result = _simulated(topo, schedules[name], nbytes, (lambda: best * slack) if prune else None)
             if isinstance(result, Outpaced):
@@ -656,7 +657,7 @@ class _Shared:
         self.fastest = multiprocessing.Value("d", fastest)
         self.leader = multiprocessing.RawValue("i", -1)        # written under fastest's lock
         self.lost = multiprocessing.RawArray("b", len(names))    # single bytes: no lock needed to read
-        self.contending = multiprocessing.RawArray("b", len(names))
+        self.contending = multiprocessing.RawArray("b", len(names))   # see _prove_forked
         self.taken = multiprocessing.Array("b", len(names))
 
     def take(self, i):
@@ -689,11 +690,12 @@ def _simulate_forked(name):
     """``(Simulation or Outpaced, proof or None)`` in a worker (see :func:`_predict`)."""
     shared = _FORKED
     i = shared.index[name]
-    checks = []
+    calls = 0
 
-    def ceiling():                      # a second call: the run passed its first check (see simulate)
-        checks.append(1)
-        if len(checks) == 2:
+    def ceiling():
+        nonlocal calls
+        calls += 1
+        if calls == 2:                  # the run passed its first check (see simulate)
             shared.contending[i] = 1
         return shared.fastest.value * shared.slack
     try:
@@ -725,7 +727,8 @@ def _prove_forked(name):
     With pruning, it waits until the simulation has passed a check against the fastest time (or
     ended): until then nothing says the schedule may win, and a large loser is typically stopped at
     its first check, once set up (at 1024 ranks the ring was, 0.1 s after a worker had begun its
-    proof, which then spent 7 s on the ring's dataflow before it could be told)."""
+    proof, which then spent 20 s on its own set-up, the ring's dataflow and initial symbols, before
+    it could be told)."""
     shared = _FORKED
     i = shared.index[name]
     while shared.prune and not (shared.contending[i] or shared.lost[i]):

@@ -83,7 +83,7 @@ def operand_order(schedule):
 def _symbolic_run(schedule, stop=None):
     """``(values, final state, operand order, number of reductions)`` of running ``schedule`` on symbols."""
     _ask(stop, schedule, "before it started")
-    schedule.dataflow
+    schedule.dataflow                  # (built once, here, between two questions)
     _ask(stop, schedule, "after the dataflow")
     values = _Values()
     state = _initial_state(schedule, values)
@@ -94,6 +94,7 @@ def _symbolic_run(schedule, stop=None):
 
 
 def _ask(stop, schedule, when):
+    """Abandon the proof (:class:`Abandoned`) when ``stop`` says so; ``when``: where it stood."""
     if stop is not None and stop():
         raise Abandoned(f"proof of {schedule!r} abandoned {when}")
 
