@@ -853,3 +853,25 @@ def test_pinned_routes_must_follow_the_forwarding_rules_the_bounds_assume():
         simulate(topo, through_rank, 1 << 20)
     fine = dataclasses.replace(base, routes={(1, 2): [(("g1", "sw", "g2"), 1.0)]})
     assert simulate(topo, fine, 1 << 20).seconds > 0
+
+
+@pytest.mark.parametrize("name", ["fat-tree-4x4-r8", "dgx-a100", "ibm-3tier-fragment"])
+def test_link_totals_are_what_the_simulation_carries_without_building_the_dataflow(name):
+    # sends paired with their receives are all the totals need: a schedule that has no dataflow yet
+    # (hierarchical's spans expand to every chunk there) gets none, and the totals are the bytes the
+    # simulation then reports, to the last bit; one that has it uses it
+    from ddl.algorithms import ALGORITHMS
+    from ddl.simulate import link_totals
+    topo = Topology.load(Path(__file__).resolve().parent.parent / "topologies" / f"{name}.yaml")
+    for algorithm in ("ring", "hierarchical", "halving-doubling", "multicommodity-flow"):
+        sched = ALGORITHMS[algorithm](topo, "allreduce")
+        fresh = "dataflow" not in sched.__dict__          # (routing simulates its bases: it has one)
+        assert fresh or algorithm == "multicommodity-flow"
+        totals = link_totals(topo, sched, 3e6)
+        assert ("dataflow" not in sched.__dict__) == fresh, algorithm
+        assert totals == simulate(topo, sched, 3e6).link_bytes, algorithm
+        assert link_totals(topo, sched, 3e6) == totals       # (from the dataflow, built by the simulation)
+    b = ScheduleBuilder("allreduce", topo.nranks, (1,))
+    b.programs[0].append(("send", 0, 1))                       # rank 1 never receives it
+    with pytest.raises(ScheduleError, match="rank 0 sends it to rank 1 1 time"):
+        link_totals(topo, b.build(), 3e6)
