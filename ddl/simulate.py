@@ -222,7 +222,7 @@ def link_totals(topo, schedule, nbytes):
     Sends paired with their receives are all it takes, not the dependencies: unless the schedule
     holds its :attr:`~ddl.schedule.Schedule.dataflow` already, it is not built (hierarchical's
     one-chunk schedule with a share per rank at 1024 ranks: 5.8 s with it, spans expanded to their
-    chunks, 0.1 s without)."""
+    chunks, 0.3 s without)."""
     run = _Run(topo, schedule, float(nbytes))
     if "dataflow" in schedule.__dict__:
         n, kind, rank, size, partner, _, _ = run._flatten()
