@@ -226,14 +226,14 @@ def link_totals(topo, schedule, nbytes):
     run = _Run(topo, schedule, float(nbytes))
     if "dataflow" in schedule.__dict__:
         n, kind, rank, size, partner, _, _ = run._flatten()
+        if n == 0:
+            return {}
     else:
         flat = _flat_ops(schedule)
-        n = 0 if flat is None else len(flat[0])
-        if n:
-            kind, chunk, rank, partner, _ = flat
-            size = schedule.chunk_fractions[chunk] * float(nbytes)
-    if n == 0:
-        return {}
+        if flat is None:           # no operations
+            return {}
+        kind, chunk, rank, partner, _ = flat
+        size = schedule.chunk_fractions[chunk] * float(nbytes)
     _, pair_route, pair_bytes, _ = run._pairs(kind, rank, partner, size)
     total = _link_totals(run.fabric, pair_route, pair_bytes)
     return {key: float(b) for key, b in zip(run.fabric.keys, total) if b > 0}
