@@ -425,6 +425,11 @@ class ShmBoard:
         self._seq_views = [memoryview(self.seqs[s]) for s in range(D)]
         self._expect = np.zeros((D, p), np.int64)
         self._expect_views = [memoryview(self._expect[s]) for s in range(D)]
+        # ... and this rank's rows, viewed once (a view made per call costs more than a small post's copy)
+        self._own_sigs = [memoryview(self.sigs[s, self.rank]) for s in range(D)]
+        self._expect_rows = list(self._expect)
+        self._own_payload = [memoryview(self.inline[k, self.rank]) for k in range(self.PAYLOAD_DEPTH)]
+        self._posted = {}   # (payload slot, bytes, dtype) -> the view posted() returns
         self._min_done = 0
         self._fence = None
         if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
@@ -444,16 +449,20 @@ class ShmBoard:
 
     def post(self, seq, vector, data=None):
         """Enter collective ``seq`` with signature ``vector`` (its seq word is overwritten here) and,
-        optionally, up to :attr:`inline_bytes` of ``data`` (a contiguous numpy array; check
-        ``can_post(seq, data=True)`` first) that every rank can read with :meth:`posted` until it
-        calls :meth:`finish`."""
+        optionally, up to :attr:`inline_bytes` of ``data`` (a contiguous numpy array, or a memoryview of
+        its bytes, which copies faster; check ``can_post(seq, data=True)`` first) that every rank can
+        read with :meth:`posted` until it calls :meth:`finish`. ``vector``: an int64 array, or a
+        memoryview of one."""
         s = seq % self.DEPTH
-        if data is not None and data.nbytes:
-            self.inline[seq % self.PAYLOAD_DEPTH, self.rank, :data.nbytes] = data.reshape(-1).view(np.uint8)
-        row = self.sigs[s, self.rank]
+        if data is not None:
+            n = data.nbytes
+            if n:
+                self._own_payload[seq % self.PAYLOAD_DEPTH][:n] = \
+                    data if type(data) is memoryview else data.reshape(-1).view(np.uint8)
+        row = self._own_sigs[s]
         row[:] = vector
         row[0] = seq
-        self._expect[s].fill(seq + 1)
+        self._expect_rows[s].fill(seq + 1)
         if self._fence:
             self._fence()
         self.seqs[s, self.rank] = seq + 1
@@ -481,8 +490,13 @@ class ShmBoard:
 
     def posted(self, seq, count, dtype):
         """Every rank's data posted with ``seq``: an array ``(size, count)`` of ``dtype`` (a view)."""
-        nbytes = count * np.dtype(dtype).itemsize
-        return self.inline[seq % self.PAYLOAD_DEPTH, :, :nbytes].view(dtype)
+        key = (seq % self.PAYLOAD_DEPTH, count, dtype)
+        rows = self._posted.get(key)
+        if rows is None:
+            if len(self._posted) >= 64:
+                self._posted.clear()
+            rows = self._posted[key] = self.inline[key[0], :, :count * np.dtype(dtype).itemsize].view(dtype)
+        return rows
 
     def table(self, seq):
         return self.sigs[seq % self.DEPTH].copy()

@@ -169,10 +169,39 @@ _LAYOUT_COLLECTIVE = {"allreduce": "allreduce", "allreduce_inplace": "allreduce"
 _NOTHING = np.empty(0, np.uint8)
 
 
+def _execution(entry, seq, send, recv, check, inline, sig=None):
+    """The :class:`Execution` of call ``seq`` of a compiled ``entry`` (see Communicator._compiled);
+    ``sig``: its signature where it is not the entry's (a functional allreduce's, shaped)."""
+    plan, base, finish, label, _ = entry
+    sig = base if sig is None else sig
+    ex = Execution(plan, seq, sig, check, label, send, recv, finish)
+    ex.inline = inline
+    ex.sig_hash = sig.hash(seq)
+    ex.salt = sig.base
+    return ex
+
+
+class _RecentArgs:
+    """A recent Allreduce's arguments (see Communicator._recent_args): the arrays themselves (so that
+    their ids cannot be reused while cached) and weak references to them (so that numpy refuses to
+    resize them), their dtypes then, the parsed arguments of ``Communicator._start``, and ``quick``
+    where the call may take the quick lane (else None): ``(compiled entry, inline input, a memoryview
+    of its bytes, one of the signature vector)``; a memoryview copies onto the board fastest."""
+
+    __slots__ = ("sendbuf", "recvbuf", "op", "recv_dtype", "send_dtype", "args", "weak", "quick")
+
+    def __init__(self, sendbuf, recvbuf, op, args, quick):
+        in_place = args[1] is None
+        self.sendbuf, self.recvbuf, self.op, self.args, self.quick = sendbuf, recvbuf, op, args, quick
+        self.recv_dtype = recvbuf.dtype
+        self.send_dtype = None if in_place else sendbuf.dtype
+        self.weak = (weakref.ref(recvbuf), None if in_place else weakref.ref(sendbuf))
+
+
 def _inline_input(layout, send, recv, count, itemsize, root, rank, size, limit):
     """What this rank posts on the agreement board when the collective goes inline (every rank
     decides alike: it is a function of the signature), or None when it runs its schedule. A rank
-    that contributes nothing (a broadcast's non-roots) posts an empty array. See Engine._complete_inline."""
+    that contributes nothing (a broadcast's non-roots) posts an empty array. See Engine._inline_result."""
     if layout == "broadcast":
         return (recv if rank == root else _NOTHING) if count * itemsize <= limit else None
     if layout.startswith("allgather"):
@@ -573,14 +602,15 @@ class Communicator:
         return entry
 
     def _finisher(self, layout, count, dtype, op):
+        """What completes a collective's result in its output buffer once the schedule has run (an AVG's
+        division, a reduce-scatter's block moved to the front...), called with that buffer; or None."""
         size, rank = self.size, self.rank
         average = op is not None and op.average and size > 1 and not divides_first(op, dtype, size)
         truth = size == 1 and op in LOGICAL   # nothing is reduced on one rank: make the 1 or 0 here
         if layout == "reduce_scatter_inplace":
             n = count // size
 
-            def finish(ex):
-                buf = ex.bufs[1]
+            def finish(buf):
                 if rank:
                     buf[:n] = buf[rank * n:(rank + 1) * n]
                 if average:
@@ -592,8 +622,8 @@ class Communicator:
             return None
         n = count // size if layout == "reduce_scatter" else count
 
-        def finish(ex):
-            out = ex.bufs[1][:n]
+        def finish(buf):
+            out = buf[:n]
             if average:
                 finish_average(out, size)
             if truth:
@@ -610,7 +640,8 @@ class Communicator:
             _check_not_in_flight(send, recv, in_flight_everywhere(), self._engine)
         if divides_first(op, dtype, self.size):
             layout, send, recv = self._divided_first(layout, send, recv, count)
-        plan, sig, finish, label, limit = self._compiled(layout, count, dtype, op, root, sig_count)
+        entry = self._compiled(layout, count, dtype, op, root, sig_count)
+        plan, sig, _, _, limit = entry
         if shape is not None:
             sig = self._shaped(sig, shape)
         self._engine.admit(plan)   # may refuse the call: before it takes a sequence number
@@ -629,12 +660,10 @@ class Communicator:
                 forget = self._forget_signature
         else:
             check = False
-        ex = Execution(plan, seq, sig, check, label, send, recv, finish)
+        inline = _inline_input(layout, send, recv, count, dtype.itemsize, root, self.rank, self.size, limit) \
+            if limit else None
+        ex = _execution(entry, seq, send, recv, check, inline, sig)
         ex.on_error = forget
-        if limit:
-            ex.inline = _inline_input(layout, send, recv, count, dtype.itemsize, root, self.rank, self.size, limit)
-        ex.sig_hash = sig.hash(seq)
-        ex.salt = sig.base
         self._engine.start(ex, blocking)
         return ex
 
@@ -709,15 +738,9 @@ class Communicator:
 
     @_announced("allreduce")
     def _allreduce_start(self, sendbuf, recvbuf, op, blocking=False, shape=None):
-        # Fast path: the same (small) arrays as a recent call -- a training loop's gradient buffers.
-        # Their memory cannot have moved: the entry holds weak references to them, and numpy refuses
-        # to resize an array that has one, even with refcheck=False. Their dtypes and recvbuf's
-        # writability can change, and are checked again.
-        hit = self._args.get((id(sendbuf), id(recvbuf), id(op)))
-        if hit is not None and hit[0] is sendbuf and hit[1] is recvbuf and hit[2] is op and \
-                recvbuf.dtype is hit[3] and (hit[4] is None or sendbuf.dtype is hit[4]) and \
-                recvbuf.flags.writeable:
-            return self._start(*hit[5], blocking, shape)
+        recent = self._recent_args(sendbuf, recvbuf, op)
+        if recent is not None:
+            return self._start(*recent.args, blocking, shape)
         send, recv, op_ = self._reduction_args(sendbuf, recvbuf, op)
         if send is None:
             args = ("allreduce_inplace", None, recv, recv.size, recv.dtype, op_, 0, recv.size)
@@ -728,14 +751,64 @@ class Communicator:
         ex = self._start(*args, blocking, shape)
         if type(recvbuf) is np.ndarray and recv.nbytes <= _ARG_CACHE_BYTES and (
                 type(sendbuf) is np.ndarray or is_in_place(sendbuf)):
-            # holds references to both arrays, so their ids cannot be reused while cached, and weak
-            # ones, so that they cannot be resized (see above)
+            quick = None
+            if ex.inline is not None and ex.check and not divides_first(op_, recv.dtype, self.size):
+                layout, _, _, count, dtype, _, root, sig_count = args
+                entry = self._compiled(layout, count, dtype, op_, root, sig_count)
+                quick = (entry, ex.inline, memoryview(ex.inline.reshape(-1).view(np.uint8)),
+                         memoryview(entry[1].vector))
             if len(self._args) >= 16:
                 del self._args[next(iter(self._args))]
-            self._args[(id(sendbuf), id(recvbuf), id(op))] = (
-                sendbuf, recvbuf, op, recvbuf.dtype, None if send is None else sendbuf.dtype, args,
-                weakref.ref(recvbuf), None if send is None else weakref.ref(sendbuf))
+            self._args[(id(sendbuf), id(recvbuf), id(op))] = _RecentArgs(sendbuf, recvbuf, op, args, quick)
         return ex
+
+    def _recent_args(self, sendbuf, recvbuf, op):
+        """The :class:`_RecentArgs` of an Allreduce on these very arrays, or None: a training loop's
+        gradient buffers, parsed once. Their memory cannot have moved (the entry holds weak references
+        to them, and numpy refuses to resize an array that has one, even with refcheck=False); their
+        dtypes and recvbuf's writability can change, and are checked again."""
+        hit = self._args.get((id(sendbuf), id(recvbuf), id(op)))
+        if hit is not None and hit.recvbuf is recvbuf and hit.sendbuf is sendbuf and hit.op is op and \
+                recvbuf.dtype is hit.recv_dtype and (hit.send_dtype is None or sendbuf.dtype is hit.send_dtype) and \
+                recvbuf.flags.writeable:
+            return hit
+        return None
+
+    def _allreduce_quick(self, sendbuf, recvbuf, op):
+        """The quick lane of a training loop's small blocking Allreduce: the same arrays as a recent call,
+        inline on the shared-memory board, check="always", nothing else in flight on any
+        communicator. The call is then the board exchange (:meth:`Engine.settle_alone`) with none of
+        the general path's steps around it, which a repeated call has already passed: parsing, the
+        plan's lookup, the refusals, the bookkeeping of an Execution. On 2 ranks with a core each an
+        8-byte Allreduce takes 11-12 us this way instead of 21-23 us; on 8 ranks sharing 2 cores,
+        where a call costs its CPU time several times over, 224-249 us instead of 308-326 us.
+
+        Returns False, having done nothing, where the general path must take the call. A slot that
+        does not settle at once goes to the engine's books as the general path's would."""
+        recent = self._recent_args(sendbuf, recvbuf, op)
+        if recent is None or recent.quick is None:
+            return False
+        engine = self._engine
+        if (engine.inflight or engine.deferred or engine.broken is not None or engine.hooked or self._freed
+                or self.check != "always" or self._pinned("allreduce", 0) is not None
+                or (len(_ENGINES) > 1 and any(in_flight_everywhere()))):
+            return False
+        seq = self._seq
+        if not engine.board.can_post(seq, True):
+            return False
+        self._seq = seq + 1
+        self.last_path = "host"
+        entry, inline, inline_bytes, vector = recent.quick
+        plan, _, finish, _, _ = entry
+        send, recv = recent.args[1:3]
+        if engine.settle_alone(seq, plan, vector, inline_bytes, recv):
+            if finish is not None:
+                finish(recv)
+            return True
+        ex = _execution(entry, seq, send, recv, True, inline)
+        engine.await_agreement(ex)
+        engine.wait(ex)
+        return True
 
     @_announced("reduce_scatter")
     def _reduce_scatter_start(self, sendbuf, recvbuf, op, blocking=False):
@@ -805,6 +878,8 @@ class Communicator:
     @_one_thread
     def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         """``recvbuf = op(sendbuf of every rank)``; ``sendbuf`` may be ``ddl.IN_PLACE``."""
+        if self._allreduce_quick(sendbuf, recvbuf, op):
+            return
         dev = self._device_for("allreduce", sendbuf, recvbuf)
         if dev is not None:
             return dev.Allreduce(sendbuf, recvbuf, op=op, stream=stream)

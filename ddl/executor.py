@@ -62,7 +62,7 @@ Inline collectives: on one node (shared-memory agreement, ``check="always"``, ``
 collective whose per-rank input is at most ``Communicator.inline_bytes`` (``min(1 MiB, 2 MiB / p)``)
 does not run its schedule: each rank posts its input beside its signature on the
 :class:`~ddl.agreement.ShmBoard`, and once every rank has posted (the agreement) each computes its
-result from the posted rows itself, reducing in rank order (:meth:`Engine._complete_inline`). No
+result from the posted rows itself, reducing in rank order (:meth:`Engine._inline_result`). No
 message at all: on an oversubscribed node every message hop costs a scheduling round, so this is what
 makes small collectives cheap. Whether a call goes inline is a function of its signature, so a rank
 whose call differs still meets the others on the board and gets the :class:`~ddl.MismatchError`.
@@ -515,7 +515,9 @@ class Engine:
     (or nap) at once instead of spinning, so the ranks that have work get the cores.
     """
 
-    QUICK_POLLS = 16  # see _inline_alone
+    QUICK_POLLS = 16  # see settle_alone
+    hooked = False  # True while ddl.trace hooks this engine's entry points: Communicator._allreduce_quick,
+    #                 which passes them by, then stays off
 
     def __init__(self, pcomm, gcomm, stall_warning, stall_timeout, board=None, oversubscribed=False,
                  scratch_bytes=SCRATCH_BYTES):
@@ -626,7 +628,7 @@ class Engine:
         ex.state = "agreement"
         board = self.board
         if board is not None:
-            self._post_board(ex)
+            self._post_board(ex.seq, ex.sig.vector, ex.inline)
             self.agree_queue.append(ex)
             self._poll_board()
             if self._to_ring:
@@ -643,39 +645,60 @@ class Engine:
         ex.t_start = ex.t_progress = time.monotonic()
         self.inflight[ex.seq] = ex
 
-    def _post_board(self, ex):
-        """Enter ``ex`` on the agreement board; ring the peers' doorbells (at the next flush) when this
-        rank arrived last."""
+    def _post_board(self, seq, vector, data):
+        """Enter collective ``seq`` (signature ``vector``, inline input ``data`` or None) on the agreement
+        board; ring the peers' doorbells (at the next flush) when this rank arrived last."""
         board = self.board
-        board.post(ex.seq, ex.sig.vector, ex.inline)
+        board.post(seq, vector, data)
         if self.bell is not None:
             board.fence()  # of two ranks arriving together, at least one sees it is last
-            if board.ready(ex.seq):
+            if board.ready(seq):
                 self._to_ring.update(r for r in range(self.size) if r != self.rank)
 
     def _inline_alone(self, ex):
-        """A blocking inline collective with nothing else in flight: post it and poll only its board
-        slot, up to ``QUICK_POLLS`` times; done there, it never enters the engine's books.
+        """A blocking inline collective with nothing else in flight: :meth:`settle_alone`; one it could
+        not settle is registered and left to :meth:`wait` (watchdog, sleep, the error on every rank)."""
+        try:
+            settled = self.settle_alone(ex.seq, ex.plan, ex.sig.vector, ex.inline, ex.bufs[B_RECV])
+        except Exception as exc:   # pragma: no cover - local numpy work; no message is pending
+            self._fail(ex, exc)
+            return
+        if settled:
+            self._finish(ex)
+        else:
+            self.await_agreement(ex)
+
+    def settle_alone(self, seq, plan, vector, inline, recv):
+        """Post inline collective ``seq`` of ``plan`` (nothing else in flight, room on the board: see
+        :meth:`start`) and poll only its board slot, up to ``QUICK_POLLS`` times. True: every rank
+        posted the same signature, and the result is in ``recv`` (the slot is finished). False: the
+        slot was not ready by then, or the signatures differ; the collective is posted, and its
+        Execution must go to :meth:`await_agreement`.
 
         Its result depends on nothing but the board, so the general machinery (registration, MPI
         requests, other communicators, the idle clock) would only cost: on an oversubscribed node every
         poll is a time slice that the ranks that have not posted yet could use, and a short, warm path
-        hands them the core sooner (8 ranks on 2 cores: about 20% off an 8-byte Allreduce). A slot
-        that is not ready by then, or a mismatch, is registered and left to :meth:`wait` (watchdog,
-        sleep, the error on every rank)."""
-        board, seq = self.board, ex.seq
-        self._post_board(ex)
+        hands them the core sooner (8 ranks on 2 cores: about 20% off an 8-byte Allreduce)."""
+        board = self.board
+        self._post_board(seq, vector, inline)
         if self._to_ring:
             self._flush_rings()
         ready = board.ready
         pause = os.sched_yield if self.oversubscribed else _no_pause
         for _ in range(self.QUICK_POLLS):
             if ready(seq):
-                if board.agreed(seq):
-                    self._finish_inline(ex)
-                    return
-                break
+                if not board.agreed(seq):
+                    return False
+                try:
+                    self._inline_result(plan, seq, recv)
+                finally:
+                    board.finish(seq)
+                return True
             pause()
+        return False
+
+    def await_agreement(self, ex):
+        """``ex``, posted on the board by :meth:`settle_alone` and not settled there, joins the books."""
         self._register(ex)
         ex.state = "agreement"
         self.agree_queue.append(ex)
@@ -822,7 +845,7 @@ class Engine:
     def _finish(self, ex):
         try:
             if ex.finish is not None:
-                ex.finish(ex)
+                ex.finish(ex.bufs[B_RECV])
         except Exception as exc:  # pragma: no cover - finishing is local numpy work
             ex.error = exc
         if ex.resources is not None:
@@ -915,7 +938,7 @@ class Engine:
 
     def _finish_inline(self, ex):
         try:
-            self._complete_inline(ex)
+            self._inline_result(ex.plan, ex.seq, ex.bufs[B_RECV])
         except Exception as exc:   # pragma: no cover - local numpy work; no message is pending
             self.board.finish(ex.seq)
             self._fail(ex, exc)
@@ -923,24 +946,23 @@ class Engine:
         self.board.finish(ex.seq)
         self._finish(ex)
 
-    def _complete_inline(self, ex):
-        """Inline collective: every rank posted its input with its signature, so the agreement is the
-        whole collective. Each rank computes its result from the posted rows itself; reductions go in
-        rank order (row 0 op row 1, then op row 2, ...): the same expression on every rank, bitwise
-        identical results."""
-        plan = ex.plan
+    def _inline_result(self, plan, seq, recv):
+        """Inline collective ``seq`` of ``plan``: every rank posted its input with its signature, so the
+        agreement is the whole collective. Each rank computes its result (into ``recv``) from the
+        posted rows itself; reductions go in rank order (row 0 op row 1, then op row 2, ...): the same
+        expression on every rank, bitwise identical results."""
         layout, p, rank = plan.layout, self.size, self.rank
-        recv = ex.bufs[B_RECV].reshape(-1)
+        recv = recv.reshape(-1)
         if layout == "broadcast":
             root = plan.schedule.root
             if rank != root:
-                recv[...] = self.board.posted(ex.seq, plan.count, plan.dtype)[root]
+                recv[...] = self.board.posted(seq, plan.count, plan.dtype)[root]
             return
         if layout.startswith("allgather"):
             n = plan.count // p
-            recv.reshape(p, n)[...] = self.board.posted(ex.seq, n, plan.dtype)
+            recv.reshape(p, n)[...] = self.board.posted(seq, n, plan.dtype)
             return
-        rows = self.board.posted(ex.seq, plan.count, plan.dtype)
+        rows = self.board.posted(seq, plan.count, plan.dtype)
         out = recv
         if layout.startswith("reduce_scatter"):   # the in-place finisher moves block `rank` to the front
             n = plan.count // p

@@ -92,6 +92,7 @@ class MessageTrace:
 
         engine.start, engine._start_data, engine._isend = traced_start, traced_start_data, traced_isend
         engine._dispatch, engine._finish = traced_dispatch, traced_finish
+        engine.hooked = True
 
     @contextmanager
     def recording(self, label):
@@ -113,6 +114,7 @@ class MessageTrace:
         for name in ("start", "_start_data", "_dispatch", "_finish"):
             self.engine.__dict__.pop(name, None)
         self.engine._isend = self._isend
+        self.engine.hooked = False
 
 
 def clock_offsets(world, rounds=5):

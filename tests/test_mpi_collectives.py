@@ -65,3 +65,17 @@ def test_held_sends_are_released_when_a_collective_stops_progressing():
     assert re.search(r"RESULT crossed done in \d", out) and "node-pacing crossed: 6 checks passed" in out
     out = run_ok(2, "node_pacing.py", "crossed-unreleased", timeout=120)
     assert len(re.findall(r"RESULT rank \d stalled", out)) == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_repeated_small_allreduce_takes_the_quick_lane_and_gives_way(n):
+    """A repeated blocking Allreduce on the same small arrays skips the general path
+    (tests/mpi_cases/quick_lane.py): the same results, bit for bit, AVG's division included; and an
+    Iallreduce in flight (here or on another communicator), a trace, check='new', a pinned schedule,
+    a read-only recvbuf, float16 AVG and sizes above the inline limit each send it down the general
+    path. Differing signatures still raise MismatchError on every rank, and a rank that never calls
+    is named in a StallError."""
+    out = run_ok(n, "quick_lane.py", timeout=180)
+    m = re.search(r"RESULT quick-lane: (\d+) checks passed on (\d+) ranks \((\d+) results bitwise", out)
+    assert m, out[-3000:]
+    assert int(m.group(2)) == n and int(m.group(1)) > 70 * n and int(m.group(3)) == 17
