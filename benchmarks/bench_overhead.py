@@ -2,6 +2,7 @@
 
     mpiexec -n 8 python benchmarks/bench_overhead.py [--sizes 8,64MiB] [--iters 1000,20]
             [--check always] [--topology FILE] [--algorithm auto] [--profile] [--board]
+            [--api buffer|functional]
 
 Each size runs at least ``--rounds`` rounds (more where a block of ``--block`` calls leaves calls over;
 fewer only where a size has fewer calls than rounds); a round times a block of back-to-back ddl calls, then a block of
@@ -45,6 +46,9 @@ def main(argv=None):
                     help="alternating ddl/MPI blocks per size, at least (default 10)")
     ap.add_argument("--block", type=at_least(1), default=50, help="calls per timed block, at most (default 50)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--api", default="buffer", choices=("buffer", "functional"),
+                    help="ddl's side: comm.Allreduce(send, recv) (buffer, default) or comm.allreduce(send), "
+                         "which returns a new array (functional, as Horovod's allreduce)")
     ap.add_argument("--board", action="store_true",
                     help="also time a bare exchange through ddl's shared-memory board (see above)")
     args = ap.parse_args(argv)
@@ -69,14 +73,23 @@ def main(argv=None):
         send = np.full(count, world.rank + 1, dtype)
         recv_d = np.empty_like(send)
         recv_m = np.empty_like(send)
+        if args.api == "functional":
+            def ddl_side():
+                recv_d[...] = comm.allreduce(send, op=ddl.SUM)
+        else:
+            def ddl_side():
+                comm.Allreduce(send, recv_d, op=ddl.SUM)
         for _ in range(3):  # warm-up: plans, scratch, MPI connections, page faults
-            comm.Allreduce(send, recv_d, op=ddl.SUM)
+            ddl_side()
             world.Allreduce(send, recv_m, op=MPI.SUM)
         if not np.array_equal(recv_d, recv_m):
             raise SystemExit("ddl and MPI results differ")
+        if args.api == "functional":      # time the call itself, without the copy that checked it
+            def ddl_side():
+                comm.allreduce(send, op=ddl.SUM)
         # blocks of back-to-back calls (a training loop's view; a barrier before every single call would
         # mostly measure how unevenly ranks leave the barrier on an oversubscribed node), alternating
-        sides = [lambda: comm.Allreduce(send, recv_d, op=ddl.SUM), lambda: world.Allreduce(send, recv_m, op=MPI.SUM)]
+        sides = [ddl_side, lambda: world.Allreduce(send, recv_m, op=MPI.SUM)]
         if board is not None:
             recv_b = np.empty_like(send)
             signature = np.zeros(board.sigs.shape[-1], np.int64)
@@ -122,7 +135,8 @@ def main(argv=None):
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(15)
     if world.rank == 0:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"ddl Allreduce vs MPI_Allreduce ({MPI.Get_library_version().splitlines()[0].strip()}); "
+        api = "allreduce (functional)" if args.api == "functional" else "Allreduce"
+        print(f"ddl {api} vs MPI_Allreduce ({MPI.Get_library_version().splitlines()[0].strip()}); "
               f"{world.size} ranks, {os.cpu_count()} cores, load {load:.1f}; dtype {dtype}; check={args.check} "
               f"(agreement: {comm.agreement}); topology {comm.topology.name if comm.topology is not None else '-'}")
         print(f"{'size':>9} {'iters':>5} {'algorithm':>17} {'chunks':>6} {'ddl median':>11} {'MPI median':>11} "

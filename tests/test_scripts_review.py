@@ -166,6 +166,12 @@ def test_mpi_benchmarks_print_their_tables():
     assert lines[-3].split()[-6:] == ["MPI", "CPU", "board", "board/MPI", "board", "CPU"], out
     assert [line.split()[:4] for line in lines[-2:]] == [["8", "B", "6", "inline"], ["4", "KiB", "6", "inline"]]
     assert all(float(line.split()[-5]) > 0 and float(line.split()[-3]) > 0 for line in lines[-2:]), out
+    # --api functional: ddl's side is comm.allreduce(send), its result checked against MPI's first
+    rc, out, _ = run_mpi(2, "benchmarks/bench_overhead.py", "--sizes", "8,256KiB", "--iters", "6,6", "--rounds",
+                         "2", "--api", "functional", timeout=180, mpi4py_main=False)
+    assert rc == 0 and "ddl allreduce (functional) vs MPI_Allreduce" in out, out
+    assert [line.split()[:4] for line in out.strip().splitlines()[-2:]] == [["8", "B", "6", "inline"],
+                                                                             ["256", "KiB", "6", "inline"]], out
     rc, out, _ = run_mpi(2, "benchmarks/bench_overhead.py", "--sizes", "2MiB", "--iters", "2", "--board",
                          timeout=180, mpi4py_main=False)
     assert rc == 2 and out.count("--board needs every rank on one host") == 1, out

@@ -30,11 +30,15 @@ def counted(c):
     return c
 
 
-def taken(call):
-    """Run ``call``; True when it took the quick lane (the general path never started it)."""
+def through(call):
+    """``(whether call() took the quick lane -- the general path never started it, its result)``."""
     before = len(general)
-    call()
-    return len(general) == before
+    result = call()
+    return len(general) == before, result
+
+
+def taken(call):
+    return through(call)[0]
 
 
 counted(comm)
@@ -165,6 +169,36 @@ try:
 except ddl.MismatchError as exc:
     chk.ok("count" in str(exc), f"the mismatch's message: {exc}")
 chk.ok(taken(lambda: comm.Allreduce(a, o)) and np.array_equal(o, want), "the quick lane after a mismatch")
+
+# ---- the functional allreduce: a new array every call, a lane per (dtype, shape, op) ----------------
+for salt in range(4):
+    x = values(np.float64, 6, salt).reshape(2, 3)
+    lane, y = through(lambda: comm.allreduce(x))
+    chk.ok(lane == (salt > 0), f"functional call {salt}: quick lane {lane}")
+    chk.ok(y.shape == (2, 3) and np.array_equal(y.reshape(-1), rank_order(np.float64, 6, salt=salt)),
+           f"functional call {salt}: {y}")
+    chk.same_everywhere(f"functional {salt}", y)
+for salt in range(3):
+    lane, y = through(lambda: comm.allreduce(float(r + salt), op=ddl.AVG))
+    mean = sum(float(q + salt) for q in range(p)) / p
+    chk.ok(lane == (salt > 0) and type(y) is float and y == mean, f"functional AVG of floats: {y!r}, not {mean}")
+for salt in range(3):
+    lane, y = through(lambda: comm.allreduce(np.float32(r + salt)))
+    chk.ok(lane == (salt > 0) and type(y) is np.float32 and y == sum(q + salt for q in range(p)),
+           f"functional np.float32: {y!r}")
+for _ in range(2):
+    chk.ok(not taken(lambda: comm.allreduce(np.full(3, 2.0, np.float16), op=ddl.AVG)),
+           "functional float16 AVG took the quick lane")
+# the same elements in another shape: MismatchError on every rank, in the lane too
+for shape in ((2, 3), (3, 2)):
+    comm.allreduce(np.ones(shape))
+try:
+    comm.allreduce(np.ones((2, 3) if r == 0 else (3, 2)))
+    chk.fail("shapes (2, 3) and (3, 2) in one functional allreduce were not refused")
+except ddl.MismatchError as exc:
+    chk.ok("shape" in str(exc), f"the shape mismatch's message: {exc}")
+chk.ok(taken(lambda: comm.Allreduce(a, o)) and np.array_equal(o, want),
+       "the quick lane after a functional mismatch")
 
 # ---- a peer that never calls: StallError naming it, through the lane's fallback ------------------
 late = p - 1
