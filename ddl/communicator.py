@@ -1013,7 +1013,7 @@ class Communicator:
             send, recv = arr.reshape(-1), out.reshape(-1)
             if self._run_quick(entry, vector, send, send, recv, send, sig, arr):
                 return result()
-        ex = self._allreduce_start(arr, out, op, blocking=True, shape=arr.shape)
+        ex = self._functional_start(arr, out, op, blocking=True)
         if lane is None and ex.inline is not None and ex.check:
             self._keep_functional_lane(key, op, arr, ex.sig)
         self._engine.wait(self._noting_array(ex, arr))
@@ -1035,8 +1035,15 @@ class Communicator:
     @_announced("allreduce")
     def _host_iallreduce(self, array, op):
         arr, out, result = _functional(array)
-        return Request(self._noting_array(self._allreduce_start(arr, out, op, shape=arr.shape), arr), self._engine,
-                       result)
+        return Request(self._noting_array(self._functional_start(arr, out, op), arr), self._engine, result)
+
+    def _functional_start(self, arr, out, op, blocking=False):
+        """Start the functional allreduce of ``arr`` (C-ordered, see :func:`_functional`) into its new
+        output ``out``: the buffer API's start without its parsing, which these two arrays need not
+        (contiguous, writable, apart, one dtype) and without its argument cache (the next call passes
+        new arrays; the cache would only keep these alive)."""
+        return self._start("allreduce", arr.reshape(-1), out.reshape(-1), arr.size, arr.dtype, resolve_op(op), 0,
+                           arr.size, blocking, arr.shape)
 
     def _noting_array(self, ex, arr):
         """``ex``, whose MismatchError (if the ranks disagree) ends by saying what this rank passed where

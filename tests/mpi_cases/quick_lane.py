@@ -4,8 +4,10 @@ down the general path instead.
 
     mpiexec -n N python tests/mpi_cases/quick_lane.py      (N >= 2, one node)
 """
+import gc
 import os
 import sys
+import weakref
 
 import numpy as np
 
@@ -189,6 +191,16 @@ for salt in range(3):
 for _ in range(2):
     chk.ok(not taken(lambda: comm.allreduce(np.full(3, 2.0, np.float16), op=ddl.AVG)),
            "functional float16 AVG took the quick lane")
+# a functional call keeps nothing of its input once it returned (they filled the argument cache, 16 deep)
+refs = []
+for shape in (3, 4, 3, 4):                 # a lane's first call and its next one, for two shapes
+    x = np.ones(shape)
+    refs.append(weakref.ref(x))
+    comm.allreduce(x)
+    comm.iallreduce(x).wait()
+    del x
+gc.collect()
+chk.ok(all(ref() is None for ref in refs), f"functional calls kept {sum(ref() is not None for ref in refs)} inputs alive")
 # the same elements in another shape: MismatchError on every rank, in the lane too
 for shape in ((2, 3), (3, 2)):
     comm.allreduce(np.ones(shape))
