@@ -154,7 +154,7 @@ def _bare_board(comm, board, signature, send, recv):
     communicator's next sequence number, as a ddl call does, so ddl's own calls go on after it."""
     seq = comm._seq
     comm._seq = seq + 1
-    while not board.can_post(seq, data=True):      # every rank is done with this payload slot's last use
+    while not board.can_post(seq, send.nbytes):    # every rank is done with this data slot's last use
         os.sched_yield()
     board.post(seq, signature, send)
     while not board.ready(seq):

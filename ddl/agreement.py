@@ -390,30 +390,41 @@ class ShmBoard:
 
     DEPTH = 64
     # Data posted with a signature (inline collectives, see ddl.executor): up to inline_limit(p) bytes per
-    # rank, in PAYLOAD_DEPTH slots of their own (so the window stays small: 8 MiB at most).
+    # rank, in PAYLOAD_DEPTH slots of their own (so the window stays small: 8 MiB at most) -- or, up to
+    # small_limit(p) bytes, in a small slot beside every signature slot: a gradient hook's many small
+    # nonblocking calls in flight then wait for slots as seldom as agreements without data do.
     INLINE_MAX = 1 << 20
     INLINE_SLOT = 2 << 20      # bytes of one payload slot, all ranks together
     PAYLOAD_DEPTH = 4
+    SMALL_MAX = 1 << 10
+    SMALL_SLOT = 64 << 10      # bytes of one small slot, all ranks together (DEPTH of them: 4 MiB at most)
 
     @classmethod
     def inline_limit(cls, nranks):
         """Bytes a rank may post with a signature: ``min(1 MiB, 2 MiB / p)``, a multiple of 64."""
         return min(cls.INLINE_MAX, cls.INLINE_SLOT // max(nranks, 1)) // 64 * 64
 
+    @classmethod
+    def small_limit(cls, nranks):
+        """Bytes a rank may post in a small slot: ``min(1 KiB, 64 KiB / p)``, a multiple of 64."""
+        return min(cls.SMALL_MAX, cls.SMALL_SLOT // max(nranks, 1)) // 64 * 64
+
     def __init__(self, comm):
         from mpi4py import MPI
         import platform
         p, D, L = comm.Get_size(), self.DEPTH, SIG_LEN
         self.inline_bytes = self.inline_limit(p)
+        self.small_bytes = min(self.small_limit(p), self.inline_bytes)
         W = self.PAYLOAD_DEPTH * p * self.inline_bytes // 8
+        S = D * p * self.small_bytes // 8
         self.rank, self.size = comm.Get_rank(), p
-        nwords = D * p + D * p * L + 3 * p + W  # 2p words: a 32-bit doorbell and a sleep flag per rank
+        nwords = D * p + D * p * L + 3 * p + W + S  # 2p words: a 32-bit doorbell and a sleep flag per rank
         self.win = MPI.Win.Allocate_shared(nwords * 8 if self.rank == 0 else 0, 8, comm=comm)
         buf, _ = self.win.Shared_query(0)
         words = np.frombuffer(buf, dtype=np.int64, count=nwords)
         if self.rank == 0:
             words[:] = 0
-        parts = np.cumsum([0, D * p, D * p * L, p, 2 * p, W])
+        parts = np.cumsum([0, D * p, D * p * L, p, 2 * p, W, S])
         self.seqs = words[parts[0]:parts[1]].reshape(D, p)               # seq + 1 of each rank's entry
         self.sigs = words[parts[1]:parts[2]].reshape(D, p, L)            # the signature vectors
         self.done = words[parts[2]:parts[3]]                             # agreements each rank finished
@@ -421,6 +432,7 @@ class ShmBoard:
         self.bells = flags[0:2 * p:2]                                     # ... a doorbell per rank
         self.sleeping = flags[2 * p::2]                                   # ... 1 while its rank sleeps on it
         self.inline = words[parts[4]:parts[5]].view(np.uint8).reshape(self.PAYLOAD_DEPTH, p, self.inline_bytes)
+        self.small = words[parts[5]:parts[6]].view(np.uint8).reshape(D, p, self.small_bytes)
         # built once so that the hot path is a memory comparison: memoryview == memoryview
         self._seq_views = [memoryview(self.seqs[s]) for s in range(D)]
         self._expect = np.zeros((D, p), np.int64)
@@ -429,7 +441,8 @@ class ShmBoard:
         self._own_sigs = [memoryview(self.sigs[s, self.rank]) for s in range(D)]
         self._expect_rows = list(self._expect)
         self._own_payload = [memoryview(self.inline[k, self.rank]) for k in range(self.PAYLOAD_DEPTH)]
-        self._posted = {}   # (payload slot, bytes, dtype) -> the view posted() returns
+        self._own_small = [memoryview(self.small[s, self.rank]) for s in range(D)]
+        self._posted = {}   # (slot, count, dtype) -> the view posted() returns
         self._min_done = 0
         self._fence = None
         if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
@@ -438,10 +451,15 @@ class ShmBoard:
             self._fence = self.win.Sync
         comm.Barrier()
 
-    def can_post(self, seq, data=False):
-        """Whether slot ``seq`` is free: every rank is done with its previous occupant (``data``: the
-        payload slot too, which is reused every PAYLOAD_DEPTH collectives)."""
-        depth = self.PAYLOAD_DEPTH if data else self.DEPTH
+    def depth(self, nbytes):
+        """How many collectives apart two that post ``nbytes`` each may take the same slot: DEPTH, or
+        PAYLOAD_DEPTH for data beyond a small slot."""
+        return self.PAYLOAD_DEPTH if nbytes > self.small_bytes else self.DEPTH
+
+    def can_post(self, seq, nbytes=0):
+        """Whether slot ``seq`` is free for a post of ``nbytes`` of data: every rank is done with its
+        previous occupant (see :meth:`depth`)."""
+        depth = self.PAYLOAD_DEPTH if nbytes > self.small_bytes else self.DEPTH
         if self._min_done > seq - depth:  # done counters only grow: a cached minimum is safe
             return True
         self._min_done = int(self.done.min())
@@ -450,15 +468,15 @@ class ShmBoard:
     def post(self, seq, vector, data=None):
         """Enter collective ``seq`` with signature ``vector`` (its seq word is overwritten here) and,
         optionally, up to :attr:`inline_bytes` of ``data`` (a contiguous numpy array, or a memoryview of
-        its bytes, which copies faster; check ``can_post(seq, data=True)`` first) that every rank can
+        its bytes, which copies faster; check ``can_post(seq, data.nbytes)`` first) that every rank can
         read with :meth:`posted` until it calls :meth:`finish`. ``vector``: an int64 array, or a
         memoryview of one."""
         s = seq % self.DEPTH
         if data is not None:
             n = data.nbytes
             if n:
-                self._own_payload[seq % self.PAYLOAD_DEPTH][:n] = \
-                    data if type(data) is memoryview else data.reshape(-1).view(np.uint8)
+                slot = self._own_small[s] if n <= self.small_bytes else self._own_payload[seq % self.PAYLOAD_DEPTH]
+                slot[:n] = data if type(data) is memoryview else data.reshape(-1).view(np.uint8)
         row = self._own_sigs[s]
         row[:] = vector
         row[0] = seq
@@ -489,13 +507,16 @@ class ShmBoard:
         return rows.tobytes() == rows[self.rank].tobytes() * self.size
 
     def posted(self, seq, count, dtype):
-        """Every rank's data posted with ``seq``: an array ``(size, count)`` of ``dtype`` (a view)."""
-        key = (seq % self.PAYLOAD_DEPTH, count, dtype)
+        """Every rank's data posted with ``seq``: an array ``(size, count)`` of ``dtype`` (a view). Its
+        place follows from its size alone, which is every rank's (``post`` puts it there)."""
+        key = (seq % self.DEPTH, count, dtype)
         rows = self._posted.get(key)
         if rows is None:
-            if len(self._posted) >= 64:
+            if len(self._posted) >= 512:
                 self._posted.clear()
-            rows = self._posted[key] = self.inline[key[0], :, :count * np.dtype(dtype).itemsize].view(dtype)
+            n = count * np.dtype(dtype).itemsize
+            area = self.small[key[0]] if n <= self.small_bytes else self.inline[seq % self.PAYLOAD_DEPTH]
+            rows = self._posted[key] = area[:, :n].view(dtype)
         return rows
 
     def table(self, seq):

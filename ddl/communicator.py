@@ -809,7 +809,7 @@ class Communicator:
         nothing, when the board has no room for it yet."""
         engine = self._engine
         seq = self._seq
-        if not engine.board.can_post(seq, True):
+        if not engine.board.can_post(seq, data.nbytes):
             return False
         self._seq = seq + 1
         self.last_path = "host"

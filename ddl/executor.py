@@ -590,11 +590,12 @@ class Engine:
         """Whether ``ex`` may start now: its tag slot (``seq`` modulo the tag window) is not still used by
         an earlier collective in flight, and, with the agreement on the shared-memory board, every rank
         is done with the board slot it takes (a peer may be up to DEPTH collectives behind, and
-        PAYLOAD_DEPTH behind for an inline one)."""
+        PAYLOAD_DEPTH behind for an inline one with more data than a small slot: ShmBoard.depth)."""
         inflight = self.inflight
         if inflight and ex.seq - next(iter(inflight)) >= self.tags.window:
             return False
-        return not ex.check or self.board is None or self.board.can_post(ex.seq, ex.inline is not None)
+        return not ex.check or self.board is None or \
+            self.board.can_post(ex.seq, 0 if ex.inline is None else ex.inline.nbytes)
 
     def _start_deferred(self):
         """Start the deferred collectives that have room now, in call order; True if one started. On a
@@ -1299,7 +1300,7 @@ class Engine:
         elif ex.state == "data":
             body = "; " + self._pending_text(ex)
         elif ex.state == "deferred" and self.board is not None:
-            earlier = ex.seq - (self.board.PAYLOAD_DEPTH if ex.inline is not None else self.board.DEPTH)
+            earlier = ex.seq - self.board.depth(0 if ex.inline is None else ex.inline.nbytes)
             behind = self.board.behind(earlier)
             body = (f"; not started: {format_ranks(behind)} {'has' if len(behind) == 1 else 'have'} not finished "
                     f"ddl collective #{earlier}, whose slot on the shared agreement board this one takes")

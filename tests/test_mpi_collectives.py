@@ -76,8 +76,9 @@ def test_repeated_small_allreduce_takes_the_quick_lane_and_gives_way(n):
     path. The functional allreduce (a new array every call) has a lane per dtype, shape and op, and
     returns what it did (a float for a float, a shaped array for an array). Differing signatures
     (counts; shapes of the same count) still raise MismatchError on every rank, and a rank that
-    never calls is named in a StallError."""
+    never calls is named in a StallError. Small nonblocking calls in flight take the board's small
+    slots: two dozen at once never wait for a slot."""
     out = run_ok(n, "quick_lane.py", timeout=180)
     m = re.search(r"RESULT quick-lane: (\d+) checks passed on (\d+) ranks \((\d+) results bitwise", out)
     assert m, out[-3000:]
-    assert int(m.group(2)) == n and int(m.group(1)) > 70 * n and int(m.group(3)) == 21
+    assert int(m.group(2)) == n and int(m.group(1)) > 70 * n and int(m.group(3)) == 23

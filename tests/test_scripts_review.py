@@ -175,11 +175,13 @@ def test_mpi_benchmarks_print_their_tables():
     rc, out, _ = run_mpi(2, "benchmarks/bench_overhead.py", "--sizes", "2MiB", "--iters", "2", "--board",
                          timeout=180, mpi4py_main=False)
     assert rc == 2 and out.count("--board needs every rank on one host") == 1, out
-    rc, out, _ = run_mpi(2, "benchmarks/bench_small.py", "--iters", "4", "--rounds", "2", timeout=180,
-                         mpi4py_main=False)
+    rc, out, _ = run_mpi(2, "benchmarks/bench_small.py", "--iters", "4", "--rounds", "2", "--inflight", "3",
+                         timeout=180, mpi4py_main=False)
     assert rc == 0 and "2 ranks, 8 B per rank (inline" in out, out
-    rows = out.strip().splitlines()[-4:]
-    assert [r.split()[0] for r in rows] == ["Allreduce", "Bcast", "Allgather", "Reduce_scatter_block"], out
+    rows = out.strip().splitlines()[-6:]
+    assert [r.split()[0] for r in rows] == ["Allreduce", "Bcast", "Allgather", "Reduce_scatter_block", "Iallreduce",
+                                            "iallreduce"], out
+    assert "x3 in flight" in rows[4] and "x3 (functional)" in rows[5], out
 
 
 # ---- planners on small and odd fabrics --------------------------------------------------------------

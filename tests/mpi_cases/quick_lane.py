@@ -212,6 +212,25 @@ except ddl.MismatchError as exc:
 chk.ok(taken(lambda: comm.Allreduce(a, o)) and np.array_equal(o, want),
        "the quick lane after a functional mismatch")
 
+# ---- many small nonblocking calls in flight: each takes a small slot beside its signature slot, so none
+# waits for a payload slot (of which the board has only PAYLOAD_DEPTH); larger ones do, with the same results
+from ddl.agreement import ShmBoard  # noqa: E402
+hooks = ddl.Communicator(WORLD)
+small = ShmBoard.small_limit(p) // 8                 # float64 elements that fill a small slot
+calls = min(24, hooks._engine.tags.window - 1)        # (at most window - 1 in flight: see ddl.executor)
+chk.ok(calls > ShmBoard.PAYLOAD_DEPTH, f"only {calls} calls fit in this MPI's tag window")
+for count, most_deferred in ((small, 0), (small + 1, None)):
+    xs = [values(np.float64, count, salt) for salt in range(calls)]
+    reqs = [hooks.iallreduce(x) for x in xs]
+    deferred = len(hooks._engine.deferred)
+    results = [req.wait() for req in reqs]
+    chk.ok(most_deferred is None or deferred <= most_deferred,
+           f"{deferred} of {calls} small calls had to wait for a slot")
+    for salt, y in enumerate(results):
+        chk.ok(np.array_equal(y, rank_order(np.float64, count, salt=salt)), f"{count} elements, call {salt}: wrong")
+    chk.same_everywhere(f"in flight, {count} elements", np.concatenate(results))
+hooks.Free()
+
 # ---- a peer that never calls: StallError naming it, through the lane's fallback ------------------
 late = p - 1
 stalled = ddl.Communicator(WORLD, stall_timeout=2)

@@ -13,8 +13,9 @@ its communicator refuses further calls, and the others' StallError says it faile
 Scenarios 5 and 6 (Free): the last rank frees where the others call Allreduce, or frees after they
 gave up on it; see :func:`freeing`.
 Scenario 7 (a post that must wait): the last rank posts as many nonblocking calls as the board has
-payload slots and sleeps without driving them; the others post one more, which cannot start until the
-last rank is done with the first slot, and wait: its StallError names the rank holding the slot.
+payload slots (each with more data than a small slot holds) and sleeps without driving them; the others
+post one more, which cannot start until the last rank is done with the first slot, and wait: its
+StallError names the rank holding the slot.
 Scenario 8 (a late wait): every rank posts an Iallreduce; the last one sleeps past the others' stall
 timeout before it waits. Once it learns that they gave up, its wait and its next call end at once (they
 once waited a whole stall_timeout each, and the next call's message called the others stuck).
@@ -120,7 +121,8 @@ def post_then_sleep(comm, buf, calls=None):
         calls = ShmBoard.PAYLOAD_DEPTH
     else:
         time.sleep(0.5)                # the last rank posts first: it finishes none of its calls before it sleeps
-    reqs = [comm.Iallreduce(ddl.IN_PLACE, np.ones(8, np.float32)) for _ in range(calls)]
+    n = ShmBoard.small_limit(SIZE) // 4 + 1        # float32: beyond a small slot, so a payload slot each
+    reqs = [comm.Iallreduce(ddl.IN_PLACE, np.ones(n, np.float32)) for _ in range(calls)]
     if calls == ShmBoard.PAYLOAD_DEPTH:
         time.sleep(SLEEP)
     ddl.Request.Waitall(reqs)
