@@ -77,7 +77,8 @@ def test_repeated_small_allreduce_takes_the_quick_lane_and_gives_way(n):
     returns what it did (a float for a float, a shaped array for an array). Differing signatures
     (counts; shapes of the same count) still raise MismatchError on every rank, and a rank that
     never calls is named in a StallError. Small nonblocking calls in flight take the board's small
-    slots: two dozen at once never wait for a slot."""
+    slots: two dozen at once never wait for a slot; every inline collective at a small slot's edge,
+    all in flight together, gives MPI's result."""
     out = run_ok(n, "quick_lane.py", timeout=180)
     m = re.search(r"RESULT quick-lane: (\d+) checks passed on (\d+) ranks \((\d+) results bitwise", out)
     assert m, out[-3000:]
