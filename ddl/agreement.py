@@ -459,7 +459,7 @@ class ShmBoard:
     def can_post(self, seq, nbytes=0):
         """Whether slot ``seq`` is free for a post of ``nbytes`` of data: every rank is done with its
         previous occupant (see :meth:`depth`)."""
-        depth = self.PAYLOAD_DEPTH if nbytes > self.small_bytes else self.DEPTH
+        depth = self.depth(nbytes)
         if self._min_done > seq - depth:  # done counters only grow: a cached minimum is safe
             return True
         self._min_done = int(self.done.min())
