@@ -184,7 +184,7 @@ def simulate(topo, schedule, nbytes, ceiling=None, trace=()):
     if trace:
         return _Run(topo, schedule, nbytes, ceiling, tuple(trace)).run()
     runs = schedule.__dict__.setdefault("_simulations", {})    # (frozen: no attribute can be set)
-    key = (topo.fingerprint, nbytes)
+    key = _run_key(topo, nbytes)
     if key not in runs:
         stops = schedule.__dict__.setdefault("_stopped_at", {})
         known = stops.get(key, 0.0)
@@ -203,7 +203,12 @@ def simulate(topo, schedule, nbytes, ceiling=None, trace=()):
 def simulated(topo, schedule, nbytes):
     """True when :func:`simulate` already holds the run of ``schedule`` on ``topo`` at ``nbytes`` (it
     answers at once)."""
-    return (topo.fingerprint, float(nbytes)) in schedule.__dict__.get("_simulations", ())
+    return _run_key(topo, nbytes) in schedule.__dict__.get("_simulations", ())
+
+
+def _run_key(topo, nbytes):
+    """What :func:`simulate` keeps a schedule's run under: the topology's fingerprint and the bytes."""
+    return topo.fingerprint, float(nbytes)
 
 
 def load_seconds(topo, schedule, nbytes):
