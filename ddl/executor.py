@@ -690,10 +690,7 @@ class Engine:
             if ready(seq):
                 if not board.agreed(seq):
                     return False
-                try:
-                    self._inline_result(plan, seq, recv)
-                finally:
-                    board.finish(seq)
+                self._settle_slot(plan, seq, recv)
                 return True
             pause()
         return False
@@ -939,13 +936,19 @@ class Engine:
 
     def _finish_inline(self, ex):
         try:
-            self._inline_result(ex.plan, ex.seq, ex.bufs[B_RECV])
+            self._settle_slot(ex.plan, ex.seq, ex.bufs[B_RECV])
         except Exception as exc:   # pragma: no cover - local numpy work; no message is pending
-            self.board.finish(ex.seq)
             self._fail(ex, exc)
             return
-        self.board.finish(ex.seq)
         self._finish(ex)
+
+    def _settle_slot(self, plan, seq, recv):
+        """The result of inline collective ``seq`` (agreed) into ``recv``; its board slot is then finished,
+        also where computing the result raised."""
+        try:
+            self._inline_result(plan, seq, recv)
+        finally:
+            self.board.finish(seq)
 
     def _inline_result(self, plan, seq, recv):
         """Inline collective ``seq`` of ``plan``: every rank posted its input with its signature, so the
