@@ -46,15 +46,15 @@ def taken(call):
 counted(comm)
 
 
-def values(dtype, count, salt=0):
-    """This rank's input: values whose sum depends on the order of the additions (for floats)."""
-    x = (np.arange(count) * 0.37 + r * 1.9 + salt) * (10.0 ** (r % 3 - 1))
+def values(dtype, count, salt=0, rank=r):
+    """A rank's input: values whose sum depends on the order of the additions (for floats)."""
+    x = (np.arange(count) * 0.37 + rank * 1.9 + salt) * (10.0 ** (rank % 3 - 1))
     return x.astype(dtype)
 
 
 def rank_order(dtype, count, op=np.add, salt=0):
     """The result every rank must hold, bit for bit: the ranks' inputs reduced in rank order."""
-    rows = [((np.arange(count) * 0.37 + q * 1.9 + salt) * (10.0 ** (q % 3 - 1))).astype(dtype) for q in range(p)]
+    rows = [values(dtype, count, salt, q) for q in range(p)]
     out = rows[0].copy()
     for row in rows[1:]:
         op(out, row, out=out)
